@@ -1,0 +1,118 @@
+"""Where things live in the vLLM engine, across versions, detected by feature in one place.
+
+Why: the path from `vllm.LLM` to the worker and model moved between vLLM releases (`driver_worker.worker` in v1 with
+in-process execution, `driver_worker` directly in older ones), the in-place `reload_weights` appeared in 0.11-era v1
+workers, and `reset_prefix_cache` grew keyword arguments. Writers ask this module and never probe the engine
+themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["EngineHandle", "engine_handle", "reset_prefix_cache", "wake_up_weights"]
+
+
+@dataclass(frozen=True)
+class EngineHandle:
+    """The parts of one in-process vLLM engine a colocated writer needs, resolved once.
+
+    Attributes:
+        llm: the `vllm.LLM`.
+        worker: the worker object holding the model runner.
+        model: the engine's `nn.Module`.
+        push: callable taking an iterable of `(checkpoint_name, tensor)`; one call loads them all.
+        push_kind: `"reload_weights"` (in place, layer-wise, handles repacked and quantized layers) or
+            `"load_weights"` (the model's own loader; older engines).
+        model_path: the model directory or hub id the engine was started from.
+        dtype: the engine's compute dtype.
+        restore_after_failed_push: a callable that puts an engine back into a usable state after a push that raised
+            mid-way, or None where the engine needs none.
+    """
+
+    llm: Any
+    worker: Any
+    model: torch.nn.Module
+    push: Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+    push_kind: str
+    model_path: str
+    dtype: torch.dtype
+    restore_after_failed_push: Callable[[], None] | None
+
+
+def _driver_worker(llm: Any) -> Any:
+    engine = llm.llm_engine
+    executor = getattr(engine, "model_executor", None)
+    if executor is None:
+        raise RuntimeError(
+            "The vLLM engine runs its worker in another process, so weights cannot be written in place. Set "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0 before the engine is created (TRL's colocate mode does this), or use "
+            "server mode."
+        )
+    driver = executor.driver_worker
+    # v1 wraps the real worker (WorkerWrapperBase.worker); older engines expose it directly.
+    return getattr(driver, "worker", None) or driver
+
+
+def _restore_fn(model: torch.nn.Module, model_config: Any) -> Callable[[], None] | None:
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+    except ImportError:  # engines without layer-wise reload do not move layers to meta during a load
+        return None
+    return lambda: finalize_layerwise_reload(model, model_config)
+
+
+def engine_handle(llm: Any) -> EngineHandle:
+    """Resolve the worker, model, push entry point and metadata of an in-process `vllm.LLM`.
+
+    Raises:
+        RuntimeError: the engine's worker is out of process, or it has neither `reload_weights` nor a model with
+            `load_weights`.
+    """
+    worker = _driver_worker(llm)
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    model_config = llm.llm_engine.model_config
+    if hasattr(worker, "reload_weights"):
+
+        def push(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+        kind = "reload_weights"
+        restore = _restore_fn(model, model_config)
+    elif hasattr(model, "load_weights"):
+
+        def push(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            model.load_weights(weights)
+
+        kind = "load_weights"
+        restore = None
+    else:
+        raise RuntimeError(
+            f"The vLLM worker {type(worker).__name__} has no reload_weights and its model {type(model).__name__} has "
+            "no load_weights; this vLLM version is not supported by the colocated writer."
+        )
+    return EngineHandle(
+        llm=llm,
+        worker=worker,
+        model=model,
+        push=push,
+        push_kind=kind,
+        model_path=str(model_config.model),
+        dtype=model_config.dtype,
+        restore_after_failed_push=restore,
+    )
+
+
+def reset_prefix_cache(llm: Any) -> None:
+    """Drop cached KV blocks computed with the old weights (all vLLM versions: the call takes no required args)."""
+    llm.reset_prefix_cache()
+
+
+def wake_up_weights(llm: Any) -> None:
+    """Map the engine's weight memory back in before a push when sleep mode is on."""
+    llm.wake_up(tags=["weights"])

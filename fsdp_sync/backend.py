@@ -1,0 +1,75 @@
+"""Which parallel wrapper a model is under, read from the model itself, once.
+
+Why from the model and not from config flags: accelerate on CPU silently falls back to DDP under an FSDP config, and
+TRL then still believes it runs FSDP1 (measured: its sync pushed nothing). The module tree is the only truth.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+__all__ = ["Backend", "UnsupportedBackendError", "detect_backend", "unwrap_outer"]
+
+
+class Backend(enum.Enum):
+    FSDP1 = "fsdp1"
+    FSDP2 = "fsdp2"
+    DDP = "ddp"
+    PLAIN = "plain"
+
+
+class UnsupportedBackendError(RuntimeError):
+    """The model is wrapped in a way this library does not gather from."""
+
+
+def unwrap_outer(model: nn.Module) -> nn.Module:
+    """Remove wrappers that only enclose the whole model: DDP/DataParallel (`.module`) and torch.compile."""
+    while True:
+        if isinstance(model, DistributedDataParallel | DataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def detect_backend(model: nn.Module) -> Backend:
+    """Classify `model` (as the trainer holds it) by the wrappers found in its module tree.
+
+    Raises:
+        UnsupportedBackendError: DeepSpeed engines (left to the trainer's own sync), FSDP1 and FSDP2 mixed in one
+            tree, or DTensor parameters without any FSDP2 unit (tensor parallelism and other DTensor layouts).
+    """
+    if type(model).__name__ == "DeepSpeedEngine":
+        raise UnsupportedBackendError(
+            "DeepSpeed ZeRO models are not gathered by fsdp-vllm-sync; the trainer's own sync handles them. "
+            "FSDPVLLMSyncMixin leaves DeepSpeed runs to the trainer's built-in sync."
+        )
+    is_ddp = isinstance(model, DistributedDataParallel | DataParallel)
+    inner = unwrap_outer(model)
+    modules = list(inner.modules())
+    has_fsdp1 = any(isinstance(m, FSDP) for m in modules)
+    has_fsdp2 = any(isinstance(m, FSDPModule) for m in modules)
+    match (has_fsdp1, has_fsdp2):
+        case (True, True):
+            raise UnsupportedBackendError(
+                f"{type(inner).__name__} mixes FSDP1 (FullyShardedDataParallel) and FSDP2 (fully_shard) units; "
+                "wrap the model with one of them."
+            )
+        case (True, False):
+            return Backend.FSDP1
+        case (False, True):
+            return Backend.FSDP2
+    dtensors = [n for n, p in inner.named_parameters() if isinstance(p, DTensor)]
+    if dtensors:
+        raise UnsupportedBackendError(
+            f"{len(dtensors)} parameter(s) are DTensors but no module is an FSDP2 unit (e.g. tensor parallelism), "
+            f"which this library does not gather: {', '.join(dtensors[:5])}{' ...' if len(dtensors) > 5 else ''}"
+        )
+    return Backend.DDP if is_ddp else Backend.PLAIN

@@ -1,0 +1,58 @@
+"""Gatherers, one per backend and strategy; `make_gatherer` picks one, once per model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..backend import Backend, unwrap_outer
+from ..config import SyncConfig
+from .base import Gatherer
+from .fsdp1 import FSDP1RootSummonGatherer, FSDP1UnitGatherer
+from .fsdp2 import FSDP2ParamGatherer, FSDP2UnitGatherer
+from .plain import PlainGatherer
+
+__all__ = [
+    "FSDP1RootSummonGatherer",
+    "FSDP1UnitGatherer",
+    "FSDP2ParamGatherer",
+    "FSDP2UnitGatherer",
+    "Gatherer",
+    "PlainGatherer",
+    "make_gatherer",
+]
+
+
+def make_gatherer(
+    model: nn.Module,
+    backend: Backend,
+    config: SyncConfig,
+    *,
+    engine_dtype: torch.dtype | None = None,
+    compute_device: torch.device | None = None,
+    merge_scopes: tuple[type, ...] = (),
+) -> Gatherer:
+    """The gatherer for `backend` and the configured strategy.
+
+    Args:
+        model: the model as the trainer holds it (outer DDP / compile wrappers are removed here).
+        engine_dtype: the engine's dtype (FSDP2 per-unit checks its mixed-precision gather dtype against it).
+        compute_device: where CPU-offloaded FSDP2 shards go before an all-gather (None: leave them).
+        merge_scopes: module types whose nested units are gathered with their enclosing unit (PEFT tuner layers).
+    """
+    inner = unwrap_outer(model)
+    match backend:
+        case Backend.FSDP1:
+            if config.fsdp1_strategy == "unit":
+                return FSDP1UnitGatherer(inner, merge_scopes=merge_scopes)
+            return FSDP1RootSummonGatherer(inner)
+        case Backend.FSDP2:
+            if config.fsdp2_strategy == "unit":
+                return FSDP2UnitGatherer(
+                    inner, engine_dtype=engine_dtype, compute_device=compute_device, merge_scopes=merge_scopes
+                )
+            return FSDP2ParamGatherer(inner, compute_device=compute_device)
+        case Backend.DDP | Backend.PLAIN:
+            return PlainGatherer(inner)
+        case _:
+            raise ValueError(f"Unknown backend {backend!r}; valid: {[b.value for b in Backend]}")

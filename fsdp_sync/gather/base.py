@@ -1,0 +1,107 @@
+"""The gatherer protocol: one per backend and strategy, each a generator of `(trainer_name, full_tensor)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from compat.manifest import TensorSpec
+
+from ..memory import MemoryMeter
+
+__all__ = ["Gatherer", "local_named_parameters", "materialize", "spec_of"]
+
+
+class Gatherer(Protocol):
+    """Produces the full value of every trainer parameter, with bounded memory.
+
+    Attributes:
+        strategy: the strategy's name, for reports (e.g. `"fsdp1-unit"`).
+        tensors_outlive_step: True when a yielded tensor stays valid after the generator moves on (plain modules,
+            a root summon); False when its storage is freed at the next unit (per-unit strategies), so a consumer
+            that keeps it must copy it.
+    """
+
+    strategy: str
+    tensors_outlive_step: bool
+
+    def specs(self) -> dict[str, TensorSpec]:
+        """Full shapes and dtypes by trainer name, from metadata alone (no collective, no gather)."""
+        ...
+
+    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield every parameter's full tensor once. Every rank must exhaust it: it runs collectives."""
+        ...
+
+
+def spec_of(param: torch.Tensor) -> TensorSpec:
+    """Full shape and dtype; a DTensor reports its global shape without communication."""
+    return TensorSpec(tuple(param.shape), param.dtype)
+
+
+def materialize(param: torch.Tensor) -> torch.Tensor:
+    """The full value of a parameter: DTensors are all-gathered, plain tensors pass through untouched."""
+    if isinstance(param, DTensor):
+        return param.full_tensor()
+    return param.detach()
+
+
+def local_named_parameters(
+    unit: nn.Module, prefix: str, is_unit: type | tuple[type, ...]
+) -> Iterator[tuple[str, nn.Parameter]]:
+    """Parameters owned by `unit`'s own modules, not descending into nested units of type `is_unit`.
+
+    Tied parameters are yielded under every name they have; callers keep the names they planned.
+    """
+    stack: list[tuple[str, nn.Module]] = [(prefix, unit)]
+    while stack:
+        path, module = stack.pop()
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            yield (f"{path}.{name}" if path else name), param
+        children = [
+            (f"{path}.{child_name}" if path else child_name, child)
+            for child_name, child in module.named_children()
+            if not isinstance(child, is_unit)
+        ]
+        stack.extend(reversed(children))
+
+
+def group_units(
+    model: nn.Module, unit_paths: list[str], merge_scopes: tuple[type, ...] = ()
+) -> list[tuple[str, list[str]]]:
+    """Group units that must be full at the same time, parents first.
+
+    A unit nested inside a module of a `merge_scopes` type (e.g. a PEFT tuner layer whose `lora_A` an auto-wrap
+    policy made its own unit) is a companion of its enclosing unit: it is gathered together with it, so that the
+    adapter and its base weight are full at once.
+
+    Returns:
+        (main unit path, companion unit paths) per visit, in pre-order of the main units.
+    """
+    if not merge_scopes:
+        return [(p, []) for p in unit_paths]
+    modules = dict(model.named_modules())
+    units = set(unit_paths)
+
+    def prefixes(path: str) -> list[str]:
+        parts = path.split(".") if path else []
+        return [""] + [".".join(parts[:i]) for i in range(1, len(parts))]
+
+    main_of: dict[str, str] = {}
+    groups: dict[str, list[str]] = {}
+    for path in unit_paths:
+        ancestors = [q for q in prefixes(path) if q in units and q != path]
+        enclosing = ancestors[-1] if ancestors else None
+        between = [q for q in prefixes(path) if enclosing is not None and len(q) > len(enclosing) and q != ""]
+        if enclosing is not None and any(isinstance(modules[q], merge_scopes) for q in between):
+            main = main_of[enclosing]
+            main_of[path] = main
+            groups[main].append(path)
+        else:
+            main_of[path] = path
+            groups[path] = []
+    return list(groups.items())

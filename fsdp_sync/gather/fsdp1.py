@@ -1,0 +1,148 @@
+"""FSDP1 (`FullyShardedDataParallel`) gatherers: per-unit stream (default) and single root summon.
+
+The seed bug: TRL walks the FSDP units child-first and calls `summon_full_params(unit, recurse=False)` on each. Before
+the model's first forward no unit has been lazily initialised, so the first summoned child marks *itself* as root;
+the real root's first forward then fails with "Non-root FSDP instance's `_is_root` should not have been set yet or
+should have been set to `False`". TRL also never summons the root unit itself, so the root's own parameters
+(embeddings, final norm) are never pushed.
+
+The fix here, without a whole-model gather: walk the units parent-first. The first unit summoned is the root, and
+summoning it runs FSDP's lazy initialisation from the true root, which marks every nested unit non-root. After that,
+summoning one unit at a time is what FSDP expects, before or after the first forward, and peak memory is one unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import reduce
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from compat.manifest import TensorSpec
+
+from ..memory import MemoryMeter
+from .base import group_units
+
+__all__ = ["FSDP1RootSummonGatherer", "FSDP1UnitGatherer", "fsdp1_units"]
+
+_WRAPPED = "_fsdp_wrapped_module"
+
+
+def fsdp1_units(model: nn.Module) -> list[tuple[str, FSDP]]:
+    """All FSDP1 units with their paths, parents before children (`named_modules` is pre-order)."""
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, FSDP)]
+
+
+def _is_ancestor(candidate: str, path: str) -> bool:
+    return candidate != path and (candidate == "" or path.startswith(candidate + "."))
+
+
+def _unit_param_names(path: str, unit: FSDP) -> list[tuple[str, str, TensorSpec]]:
+    """(trainer name, fqn inside the wrapped module, full spec) of the parameters the unit manages itself.
+
+    NOTE: FSDP1 has no public API that gives full parameter shapes without an all-gather. Its `FlatParameter`
+    records them (`_fqns`, `_shapes`, one dtype per flat parameter); these fields are unchanged from torch 2.0 to
+    2.13, and FSDP1 is frozen in favour of FSDP2. Tied parameters are in `_shared_param_infos`, not `_fqns`, so each
+    is listed once.
+    """
+    flat = unit._flat_param
+    if flat is None:  # a unit that manages no parameters
+        return []
+    base = f"{path}.{_WRAPPED}" if path else _WRAPPED
+    return [
+        (f"{base}.{fqn}", fqn, TensorSpec(tuple(shape), flat.dtype))
+        for fqn, shape in zip(flat._fqns, flat._shapes, strict=True)
+    ]
+
+
+def _ignored_params(model: nn.Module, units: list[tuple[str, FSDP]]) -> list[tuple[str, nn.Parameter]]:
+    """Parameters FSDP does not manage (`ignored_modules` / `ignored_states`); they are full on every rank."""
+    ignored: set[int] = set()
+    for _, unit in units:
+        ignored.update(id(p) for p in getattr(unit, "_ignored_params", ()))
+    return [(n, p) for n, p in model.named_parameters() if id(p) in ignored]
+
+
+class _FSDP1Base:
+    def __init__(self, model: nn.Module, *, merge_scopes: tuple[type, ...] = ()) -> None:
+        self.model = model
+        self.units = fsdp1_units(model)
+        if not self.units:
+            raise ValueError(f"{type(model).__name__} contains no FullyShardedDataParallel unit")
+        by_path = {path: (unit, _unit_param_names(path, unit)) for path, unit in self.units}
+        groups = group_units(model, [path for path, _ in self.units], merge_scopes)
+        # One visit per group: the units summoned together and their (name, fqn, spec) lists, in yield order.
+        self._visits: list[list[tuple[FSDP, list[tuple[str, str, TensorSpec]]]]] = [
+            [by_path[main]] + [by_path[c] for c in companions] for main, companions in groups
+        ]
+        self._ignored = _ignored_params(model, self.units)
+
+    def specs(self) -> dict[str, TensorSpec]:
+        out = {name: spec for visit in self._visits for _, params in visit for name, _, spec in params}
+        out.update({name: TensorSpec(tuple(p.shape), p.dtype) for name, p in self._ignored})
+        return out
+
+    @staticmethod
+    def _read(unit: FSDP, fqn: str) -> torch.Tensor:
+        # Inside summon_full_params the original parameters are registered on their modules as full views.
+        return reduce(getattr, fqn.split("."), unit._fsdp_wrapped_module).detach()
+
+    def _iter_visit(self, visit: list[tuple[FSDP, list[tuple[str, str, TensorSpec]]]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for unit, params in visit:
+            for name, fqn, _ in params:
+                yield name, self._read(unit, fqn)
+
+    def _iter_ignored(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self._ignored:
+            yield name, p.detach()
+
+
+def _visit_bytes(visit: list[tuple[FSDP, list[tuple[str, str, TensorSpec]]]]) -> int:
+    return sum(spec.nbytes for _, params in visit for _, _, spec in params)
+
+
+class FSDP1UnitGatherer(_FSDP1Base):
+    """One unit full at a time, parents first (peak: the largest unit). Safe before the first forward."""
+
+    strategy = "fsdp1-unit"
+    tensors_outlive_step = False
+
+    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+        for visit in self._visits:
+            nbytes = _visit_bytes(visit)
+            with contextlib.ExitStack() as stack:
+                # NOTE: the first unit is the root; summoning it first runs the lazy init from the true root (see
+                # module docstring). recurse=False keeps nested units sharded; writeback=False: nothing is modified.
+                for unit, _ in visit:
+                    stack.enter_context(FSDP.summon_full_params(unit, recurse=False, writeback=False))
+                meter.hold(nbytes)
+                try:
+                    yield from self._iter_visit(visit)
+                finally:
+                    meter.release(nbytes)
+        yield from self._iter_ignored()
+
+
+class FSDP1RootSummonGatherer(_FSDP1Base):
+    """The whole model full at once on every rank (`summon_full_params(root, recurse=True)`); peak: the model."""
+
+    strategy = "fsdp1-root"
+    tensors_outlive_step = True  # all storage stays alive until the generator is exhausted
+
+    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+        paths = [p for p, _ in self.units]
+        roots = [unit for path, unit in self.units if not any(_is_ancestor(q, path) for q in paths)]
+        nbytes = sum(_visit_bytes(visit) for visit in self._visits)
+        with contextlib.ExitStack() as stack:
+            for root in roots:
+                stack.enter_context(FSDP.summon_full_params(root, recurse=True, writeback=False))
+            meter.hold(nbytes)
+            try:
+                for visit in self._visits:
+                    yield from self._iter_visit(visit)
+                yield from self._iter_ignored()
+            finally:
+                meter.release(nbytes)

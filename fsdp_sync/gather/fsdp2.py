@@ -1,0 +1,154 @@
+"""FSDP2 (`fully_shard`) gatherers: per-unit unshard (default) and per-parameter `full_tensor()`.
+
+Per unit: `FSDPModule.unshard()` runs one grouped all-gather for all parameters of the unit (not recursive), the
+unit's parameters become plain full tensors, and `reshard()` frees them. Per parameter: one all-gather per DTensor.
+Plain tensors (ignored parameters, modules outside any unit) pass through both untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from compat.manifest import TensorSpec
+
+from ..memory import MemoryMeter
+from .base import group_units, local_named_parameters, materialize, spec_of
+
+__all__ = ["FSDP2ParamGatherer", "FSDP2UnitGatherer", "fsdp2_units"]
+
+
+def fsdp2_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """All FSDP2 units with their paths, parents first."""
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def _unshard_exact(unit: nn.Module, engine_dtype: torch.dtype | None) -> bool:
+    """Whether `unshard()` yields values that, cast to the engine dtype, equal the cast full parameters."""
+    gather_dtype = _unshard_dtype(unit)
+    return gather_dtype is None or engine_dtype is None or gather_dtype == engine_dtype
+
+
+def _unshard_dtype(unit: nn.Module) -> torch.dtype | None:
+    """The dtype `unshard()` all-gathers in (`MixedPrecisionPolicy.param_dtype`), or None for the parameter dtype.
+
+    NOTE: FSDP2 exposes no public getter for a unit's policy; the param groups hold it (torch 2.4 to 2.13).
+    """
+    groups = unit._get_fsdp_state()._fsdp_param_groups  # type: ignore[attr-defined]
+    dtypes = {g.mp_policy.param_dtype for g in groups} - {None}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+class FSDP2ParamGatherer:
+    """One `full_tensor()` per sharded parameter (peak: one parameter).
+
+    Args:
+        model: the FSDP2 model.
+        compute_device: where CPU-offloaded shards are moved before their all-gather (NCCL cannot gather CPU
+            tensors); None when shards already live where the process group communicates.
+    """
+
+    strategy = "fsdp2-param"
+    tensors_outlive_step = True  # every full tensor is a fresh allocation
+
+    def __init__(self, model: nn.Module, *, compute_device: torch.device | None = None) -> None:
+        self.model = model
+        self.compute_device = compute_device
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {name: spec_of(p) for name, p in self.model.named_parameters()}
+
+    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.model.named_parameters():
+            if isinstance(param, DTensor):
+                if self.compute_device is not None:
+                    param = param.to(self.compute_device)
+                full = param.full_tensor()
+                meter.hold_until_freed(full)
+                yield name, full
+            else:
+                yield name, param.detach()
+
+
+class FSDP2UnitGatherer:
+    """One FSDP2 unit unsharded at a time, parents first (peak: the largest unit).
+
+    Args:
+        model: the FSDP2 model.
+        engine_dtype: the engine's dtype. A unit whose mixed-precision all-gather dtype differs from both its
+            parameters' and the engine's (e.g. bf16 gather, fp32 engine) would lose bits, so such a unit is gathered
+            with `full_tensor()` in the parameter dtype instead; decided once per unit here.
+        compute_device: as for `FSDP2ParamGatherer`, for parameters gathered with `full_tensor()`.
+    """
+
+    strategy = "fsdp2-unit"
+    tensors_outlive_step = False  # reshard() frees the unit's full storage
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        engine_dtype: torch.dtype | None = None,
+        compute_device: torch.device | None = None,
+        merge_scopes: tuple[type, ...] = (),
+    ) -> None:
+        self.model = model
+        self.compute_device = compute_device
+        planned = dict(model.named_parameters())  # de-duplicated: a tied parameter keeps its first name
+        units = fsdp2_units(model)
+        if not units:
+            raise ValueError(f"{type(model).__name__} contains no FSDP2 (fully_shard) unit")
+        by_path = dict(units)
+        # Parameters outside every unit belong to the top module; it is visited first and never unsharded.
+        groups: list[tuple[str, list[str]]] = [] if isinstance(model, FSDPModule) else [("", [])]
+        groups += group_units(model, [p for p, _ in units], merge_scopes)
+        # (units unsharded together, names they yield in order); every planned name is yielded by exactly one visit.
+        self._visits: list[tuple[list[nn.Module], list[str]]] = []
+        emitted: set[str] = set()
+        for main, companions in groups:
+            members = [(p, by_path.get(p, model)) for p in [main, *companions]]
+            names = [
+                n
+                for path, unit in members
+                for n, _ in local_named_parameters(unit, path, FSDPModule)
+                if n in planned and n not in emitted
+            ]
+            emitted.update(names)
+            exact = all(_unshard_exact(unit, engine_dtype) for _, unit in members if isinstance(unit, FSDPModule))
+            to_unshard = [unit for _, unit in members if isinstance(unit, FSDPModule)] if exact else []
+            self._visits.append((to_unshard, names))
+        self._specs = {n: spec_of(planned[n]) for _, names in self._visits for n in names}
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return dict(self._specs)
+
+    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+        for to_unshard, names in self._visits:
+            if not names:
+                continue
+            if not to_unshard:
+                for name in names:
+                    param = self.model.get_parameter(name)
+                    if isinstance(param, DTensor) and self.compute_device is not None:
+                        param = param.to(self.compute_device)
+                    yield name, materialize(param)
+                continue
+            for unit in to_unshard:
+                unit.unshard()
+            try:
+                # After unshard() the unit's own parameters are registered as plain full tensors.
+                full = [(name, self.model.get_parameter(name)) for name in names]
+                nbytes = sum(p.numel() * p.element_size() for _, p in full)
+                meter.hold(nbytes)
+                try:
+                    for name, param in full:
+                        yield name, materialize(param)
+                finally:
+                    meter.release(nbytes)
+            finally:
+                for unit in to_unshard:
+                    unit.reshard()

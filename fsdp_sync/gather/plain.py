@@ -1,0 +1,35 @@
+"""Gatherer for modules whose parameters are already full on every rank: single process, DDP, DataParallel."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from compat.manifest import TensorSpec
+
+from ..memory import MemoryMeter
+from .base import spec_of
+
+__all__ = ["PlainGatherer"]
+
+
+class PlainGatherer:
+    """Yield parameters as they are (detached); nothing is gathered and nothing extra is allocated.
+
+    Tied parameters are yielded once, under their first name (`named_parameters` de-duplicates them).
+    """
+
+    strategy = "plain"
+    tensors_outlive_step = True
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {name: spec_of(p) for name, p in self.model.named_parameters()}
+
+    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.model.named_parameters():
+            yield name, param.detach()

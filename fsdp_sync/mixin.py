@@ -1,0 +1,139 @@
+"""`FSDPVLLMSyncMixin`: replaces a TRL trainer's vLLM weight sync with this library's; wiring only.
+
+    class MyTrainer(FSDPVLLMSyncMixin, GRPOTrainer): ...
+
+The mixin finds the trainer's sync entry point (compat.trl_api), and on each sync: detects the backend from the
+wrapped model, builds the gatherer, writer and plan once per model object, runs the pipeline, and logs the figures.
+Everything else about the trainer is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from compat.layout import layout_for
+from compat.names import NameRules
+from compat.trl_api import MOVE_MODEL_TO_VLLM, TRLSyncTarget, find_sync_target, mark_weights_awake
+
+from .backend import Backend, UnsupportedBackendError, detect_backend, unwrap_outer
+from .config import SyncConfig
+from .gather import make_gatherer
+from .peft_merge import PeftMerge
+from .pipeline import WeightSync
+from .report import SyncReport
+from .writers import ColocateWriter, EngineWriter, ServerWriter
+
+__all__ = ["FSDPVLLMSyncMixin"]
+
+logger = logging.getLogger(__name__)
+
+
+class FSDPVLLMSyncMixin:
+    """Mix into a TRL GRPO-family trainer (first in the bases) to sync weights correctly under FSDP1/FSDP2/DDP.
+
+    Args (keyword, besides the trainer's own):
+        sync_config: options; defaults to `SyncConfig()` (per-unit gathering on both FSDP versions).
+
+    Attributes:
+        sync_reports: one `SyncReport` per sync on this rank, in order.
+    """
+
+    _fvs_is_sync_mixin = True
+
+    def __init__(self, *args: Any, sync_config: SyncConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sync_config = sync_config or SyncConfig()
+        self.sync_reports: list[SyncReport] = []
+        self._fvs_sync: WeightSync | None = None
+        self._fvs_model: torch.nn.Module | None = None
+        self._fvs_backend: Backend | None = None
+        self._fvs_target: TRLSyncTarget | None = find_sync_target(self)
+        self._fvs_builtin_sync = None
+        if self._fvs_target is not None and self._fvs_target.entry != MOVE_MODEL_TO_VLLM:
+            owner = self._fvs_target.owner
+            self._fvs_builtin_sync = owner.sync_weights
+            owner.sync_weights = self.sync_weights_to_vllm
+
+    # Older TRL and the experimental OnlineDPOTrainer call this method; the mixin comes first in the MRO.
+    def _move_model_to_vllm(self, *args: Any, **kwargs: Any) -> None:
+        self.sync_weights_to_vllm()
+
+    @property
+    def sync_backend(self) -> Backend | None:
+        """The backend detected at the last sync (None before the first)."""
+        return self._fvs_backend
+
+    def _fvs_writer(self) -> EngineWriter:
+        target = self._fvs_target
+        assert target is not None
+        checkpoint = self.sync_config.checkpoint_dir
+        match target.mode:
+            case "colocate":
+                return ColocateWriter(target.llm, checkpoint_dir=checkpoint, wake_up_first=target.sleep_mode)
+            case "server":
+                model = unwrap_outer(self.model)  # type: ignore[attr-defined]
+                path = checkpoint or getattr(getattr(model, "config", None), "_name_or_path", "")
+                return ServerWriter(target.client, checkpoint_dir=path)
+            case other:
+                raise ValueError(f"vLLM mode {other!r} is not supported; valid: 'colocate', 'server'")
+
+    def _fvs_build(self, model: torch.nn.Module, backend: Backend) -> WeightSync:
+        writer = self._fvs_writer()
+        device = self.accelerator.device  # type: ignore[attr-defined]
+        compute_device = device if device.type != "cpu" else None
+        inner = unwrap_outer(model)
+        rules = NameRules.for_model(inner)
+        gatherer = make_gatherer(
+            model,
+            backend,
+            self.sync_config,
+            engine_dtype=writer.engine_dtype,
+            compute_device=compute_device,
+            merge_scopes=(PeftMerge.tuner_layer_type(),) if rules.peft else (),
+        )
+        return WeightSync(
+            gatherer,
+            writer,
+            rules=rules,
+            layout=layout_for(inner),
+            merge=PeftMerge.for_model(inner, rules) if rules.peft else None,
+            backend=backend.value,
+            check_manifest=self.sync_config.check_manifest,
+            device=device,
+        )
+
+    def sync_weights_to_vllm(self) -> SyncReport | None:
+        """Push the trainer's current weights into the vLLM engine; every rank must call it."""
+        model = self.model_wrapped  # type: ignore[attr-defined]
+        if model is not self._fvs_model:
+            try:
+                backend = detect_backend(model)
+            except UnsupportedBackendError:
+                if type(model).__name__ == "DeepSpeedEngine" and self._fvs_builtin_sync is not None:
+                    logger.warning("fsdp-vllm-sync: DeepSpeed model; using the trainer's built-in weight sync.")
+                    self._fvs_builtin_sync()
+                    return None
+                raise
+            self._fvs_sync = self._fvs_build(model, backend)
+            self._fvs_model = model
+            self._fvs_backend = backend
+        assert self._fvs_sync is not None
+        report = self._fvs_sync.sync()
+        if self._fvs_target is not None and self._fvs_target.sleep_mode:
+            mark_weights_awake(self._fvs_target)
+        self.sync_reports.append(report)
+        logger.info(report.summary())
+        if self.sync_config.log_metrics:
+            self._fvs_log(report)
+        return report
+
+    def _fvs_log(self, report: SyncReport) -> None:
+        metrics = getattr(self, "_metrics", None)
+        if isinstance(metrics, dict) and "train" in metrics:
+            # GRPO-family trainers average `_metrics[mode][key]` lists into each logged step.
+            mode = "train" if self.model.training else "eval"  # type: ignore[attr-defined]
+            for key, value in report.metrics().items():
+                metrics[mode][key].append(value)

@@ -1,0 +1,188 @@
+"""One sync as data flowing: gatherer -> checkpoint names -> manifest check (once) -> cast -> engine writer -> report."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from compat.layout import IdentityLayout, Layout
+from compat.manifest import ManifestError, PlannedTensor, TensorSpec, check_plan
+from compat.names import Dropped, NameRules, canonical_name
+
+from .distributed import all_ranks_ok
+from .gather.base import Gatherer
+from .memory import MemoryMeter
+from .peft_merge import PeftMerge
+from .report import SyncReport
+from .writers.base import EngineWriter
+
+__all__ = ["IncompleteSyncError", "SyncPlan", "WeightSync"]
+
+logger = logging.getLogger(__name__)
+
+
+class IncompleteSyncError(RuntimeError):
+    """The gather produced a different set of parameters than planned (the model changed under the sync)."""
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """What every sync of one model structure sends; computed once from metadata.
+
+    Attributes:
+        tensors: the tensors pushed, by checkpoint name, with full specs and trainer sources.
+        targets: trainer name -> checkpoint name, for every trainer parameter that is sent.
+        dropped: trainer parameters not sent on purpose, with the reason.
+    """
+
+    tensors: tuple[PlannedTensor, ...]
+    targets: dict[str, str]
+    dropped: tuple[Dropped, ...] = field(default_factory=tuple)
+
+
+class WeightSync:
+    """Joins one gatherer and one writer; `sync()` runs one complete push.
+
+    Args:
+        gatherer: produces full tensors by trainer name.
+        writer: the engine transport.
+        rules: name-mapping tables for this model.
+        layout: converts trainer layout to checkpoint layout (identity for most models).
+        merge: adds PEFT adapter deltas to their base weights (PEFT models only).
+        backend: name of the detected backend, for reports.
+        check_manifest: check the plan against the engine before the first push (strongly recommended).
+        device: device of the full tensors, for memory measurement.
+    """
+
+    def __init__(
+        self,
+        gatherer: Gatherer,
+        writer: EngineWriter,
+        *,
+        rules: NameRules = NameRules(),
+        layout: Layout | None = None,
+        merge: PeftMerge | None = None,
+        backend: str = "",
+        check_manifest: bool = True,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.gatherer = gatherer
+        self.writer = writer
+        self.rules = rules
+        self.layout: Layout = layout or IdentityLayout()
+        self.merge = merge
+        self.backend = backend
+        self.check_manifest = check_manifest
+        self.meter = MemoryMeter(torch.device(device))
+        self._plan: SyncPlan | None = None
+
+    def plan(self) -> SyncPlan:
+        """Map every trainer parameter to its checkpoint name and check the result against the engine (cached).
+
+        Raises:
+            ManifestError: on any rank, for any mismatch; raised on every rank so that none enters a collective.
+        """
+        if self._plan is not None:
+            return self._plan
+        error: Exception | None = None
+        plan: SyncPlan | None = None
+        try:
+            plan = self._build_plan()
+            if self.check_manifest and self.writer.pushes:
+                check_plan(plan.tensors, self.writer.manifest())
+        except (ManifestError, ValueError, FileNotFoundError) as e:
+            error = e
+        if not all_ranks_ok(error is None):
+            if error is not None:
+                raise error
+            raise ManifestError("The weight sync plan failed its check on another rank; see that rank's error.")
+        assert plan is not None
+        for d in plan.dropped:
+            logger.info("weight sync: not sending %s: %s", d.name, d.reason)
+        self.writer.prepare(plan.tensors)
+        self._plan = plan
+        return plan
+
+    def _build_plan(self) -> SyncPlan:
+        specs = self.gatherer.specs()
+        canonical: dict[str, tuple[str, TensorSpec]] = {}
+        dropped: list[Dropped] = []
+        for trainer_name, spec in specs.items():
+            mapped = canonical_name(trainer_name, self.rules)
+            if isinstance(mapped, Dropped):
+                dropped.append(mapped)
+            else:
+                canonical[trainer_name] = (mapped, spec)
+        tensors, targets = self.layout.plan(canonical)
+        return SyncPlan(tensors=tuple(tensors), targets=targets, dropped=tuple(dropped))
+
+    def _stream(self, plan: SyncPlan, counts: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under checkpoint names, cast to the engine dtype, copied where the gatherer frees storage."""
+        dtype = self.writer.engine_dtype
+        copy = not self.gatherer.tensors_outlive_step
+        dropped = {d.name for d in plan.dropped}
+        merge_names = self.merge.names if self.merge is not None else frozenset()
+        seen: set[str] = set()
+        for trainer_name, tensor in self.gatherer.iter_full(self.meter):
+            target = plan.targets.get(trainer_name)
+            if target is None:
+                if trainer_name in dropped:
+                    continue
+                raise IncompleteSyncError(
+                    f"Parameter {trainer_name!r} was gathered but is not in the sync plan; the model structure changed "
+                    "after the first sync. Rebuild the sync (the mixin does this when the model object changes)."
+                )
+            seen.add(trainer_name)
+            fresh = False
+            if self.merge is not None and target in merge_names:
+                tensor = self.merge.apply(target, tensor)
+                self.meter.hold_until_freed(tensor)
+                fresh = True
+            for name, out in self.layout.convert(target, tensor):
+                cast_to = dtype if (dtype is not None and out.is_floating_point()) else out.dtype
+                owned = out.to(dtype=cast_to, copy=copy and not fresh)
+                if owned is not out:
+                    self.meter.hold_until_freed(owned)
+                counts["bytes"] += owned.numel() * owned.element_size()
+                counts["tensors"] += 1
+                yield name, owned
+        missing = sorted(set(plan.targets) - seen)
+        if missing:
+            raise IncompleteSyncError(
+                f"{len(missing)} planned parameter(s) were never gathered: {', '.join(missing[:10])}"
+                f"{' ...' if len(missing) > 10 else ''}. The model structure changed after the first sync."
+            )
+
+    def sync(self) -> SyncReport:
+        """Gather, map, cast and push every parameter once; every rank must call it (it runs collectives)."""
+        plan = self.plan()
+        counts = {"bytes": 0, "tensors": 0}
+        self.meter.start()
+        start = time.perf_counter()
+        stream = self._stream(plan, counts)
+        if self.writer.pushes:
+            self.writer.write(stream)
+            # A writer must consume the whole stream; draining also runs the remaining collectives and the final check.
+            for _ in stream:
+                raise IncompleteSyncError(f"{self.writer.kind} stopped before the end of the weight stream")
+            self.writer.finish()
+        else:
+            for _ in stream:
+                pass
+        if self.meter.device.type == "cuda":
+            torch.cuda.synchronize(self.meter.device)
+        seconds = time.perf_counter() - start
+        return SyncReport(
+            seconds=seconds,
+            bytes=counts["bytes"],
+            tensors=counts["tensors"],
+            peak_extra_bytes=self.meter.peak_extra_bytes(),
+            memory_source=self.meter.source,
+            backend=self.backend,
+            strategy=self.gatherer.strategy,
+            writer=self.writer.kind,
+        )

@@ -1,0 +1,148 @@
+"""Engine-side oracles: read a vLLM engine's weights back and compare them with the trainer's, bit for bit.
+
+Why a patch: after loading, vLLM-CPU packs linear weights away (`dispatch_cpu_unquantized_gemm(layer,
+remove_weight=True)` leaves size-0 parameters), so neither `named_parameters()` nor vLLM's checksums can see them.
+With `remove_weight=False` (set before the engine starts) the weights stay readable and in-place reloads update them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "compare_states",
+    "engine_state",
+    "expected_checkpoint_state",
+    "fused_direct_check",
+    "keep_engine_weights_readable",
+    "reference_engine_state",
+]
+
+
+def keep_engine_weights_readable() -> None:
+    """Make vLLM-CPU keep unpacked linear weights (call before creating the engine). Idempotent."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "_fvs_keeps_weights", False):
+        return
+
+    @functools.wraps(original)
+    def keep(layer: torch.nn.Module, remove_weight: bool) -> None:
+        original(layer, remove_weight=False)
+
+    keep._fvs_keeps_weights = True  # type: ignore[attr-defined]
+    layer_utils.dispatch_cpu_unquantized_gemm = keep
+
+
+def engine_state(llm: Any) -> dict[str, torch.Tensor]:
+    """A copy of every engine parameter, by the engine's (fused) names."""
+    from compat.engine_api import engine_handle
+
+    model = engine_handle(llm).model
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    empty = [n for n, t in state.items() if t.numel() == 0]
+    if empty:
+        raise RuntimeError(
+            f"{len(empty)} engine weights are packed away (e.g. {empty[0]}); call keep_engine_weights_readable() "
+            "before the engine starts."
+        )
+    return state
+
+
+@contextlib.contextmanager
+def _save_on_every_rank(model: torch.nn.Module) -> Iterator[None]:
+    """Every rank checks its own engine, so every rank must write its reference checkpoint.
+
+    NOTE: transformers 5 writes only on global rank 0 once torch.distributed is initialised
+    (`should_save_on_this_rank`), whatever `is_main_process` says; overridden on this instance only.
+    """
+    model.should_save_on_this_rank = lambda is_main_process: True  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del model.should_save_on_this_rank
+
+
+def expected_checkpoint_state(full_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The checkpoint a user would save from `full_model` (unsharded, adapters merged), read back by name.
+
+    `save_pretrained` reverts transformers' load-time conversions and drops tied weights: the independent path.
+    """
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp, _save_on_every_rank(full_model):
+        full_model.save_pretrained(tmp, safe_serialization=True)
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(tmp).glob("*.safetensors")):
+            state.update(load_file(str(f)))
+    if not state:
+        raise RuntimeError("save_pretrained wrote no weights; the reference checkpoint is empty")
+    return state
+
+
+def reference_engine_state(llm: Any, checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Load `checkpoint` into the engine with vLLM's own in-place reload and read the engine back.
+
+    The engine is left holding `checkpoint`; compare with a snapshot taken right after the sync under test.
+    """
+    from compat.engine_api import engine_handle
+
+    engine_handle(llm).push(iter(list(checkpoint.items())))
+    return engine_state(llm)
+
+
+def compare_states(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ (shape, dtype or any bit), or that one side lacks; empty when equal."""
+    problems = [f"{n}: missing after sync" for n in expected if n not in got]
+    problems += [f"{n}: not in reference" for n in got if n not in expected]
+    for name in sorted(set(got) & set(expected)):
+        a, b = got[name], expected[name]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            problems.append(f"{name}: {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}")
+        elif not torch.equal(a, b):
+            diff = (a.float() - b.float()).abs().max().item()
+            problems.append(f"{name}: values differ (max abs diff {diff:.3g})")
+    return problems
+
+
+def fused_direct_check(
+    engine: dict[str, torch.Tensor], checkpoint: dict[str, torch.Tensor], packed: dict[str, list[str]], dtype: torch.dtype
+) -> tuple[int, list[str]]:
+    """Compare engine weights with checkpoint tensors directly, re-fusing vLLM's packed modules by concatenation.
+
+    Args:
+        engine: engine weights by engine name.
+        checkpoint: expected tensors by checkpoint name.
+        packed: the engine model's `packed_modules_mapping` (e.g. `qkv_proj: [q_proj, k_proj, v_proj]`).
+        dtype: the engine dtype the checkpoint tensors are cast to.
+
+    Returns:
+        (number of engine weights checked, problems). Engine weights with no direct counterpart (e.g. fused experts)
+        are not counted; the caller checks them through `reference_engine_state`.
+    """
+    checked = 0
+    problems: list[str] = []
+    for name, value in engine.items():
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        if last in packed:
+            parts = [f"{parent}.{p}.{leaf}" for p in packed[last]]
+            if not all(p in checkpoint for p in parts):
+                continue
+            expected = torch.cat([checkpoint[p] for p in parts], dim=0)
+        elif name in checkpoint:
+            expected = checkpoint[name]
+        else:
+            continue
+        checked += 1
+        if not torch.equal(value, expected.to(dtype)):
+            problems.append(f"{name}: engine differs from the trainer's full weight")
+    return checked, problems

@@ -1,0 +1,42 @@
+"""The engine-writer protocol: what the sync pipeline needs from a transport."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import torch
+
+from compat.manifest import EngineManifest, PlannedTensor
+
+__all__ = ["EngineWriter"]
+
+
+class EngineWriter(Protocol):
+    """Writes a stream of `(checkpoint_name, full_tensor)` into one inference engine.
+
+    Attributes:
+        kind: the transport, for reports (e.g. `"colocate:reload_weights"`).
+        pushes: whether this rank writes at all. Ranks that do not push still gather (collectives) and drain.
+        engine_dtype: the dtype tensors are cast to before the push (None: keep the trainer's).
+    """
+
+    kind: str
+    pushes: bool
+    engine_dtype: torch.dtype | None
+
+    def manifest(self) -> EngineManifest:
+        """What the engine accepts, by checkpoint name; read once, without touching engine weights."""
+        ...
+
+    def prepare(self, planned: Sequence[PlannedTensor]) -> None:
+        """Called once per plan with the tensors in stream order (transports that announce them first use it)."""
+        ...
+
+    def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push every tensor of the stream, in as few engine calls as the transport allows."""
+        ...
+
+    def finish(self) -> None:
+        """After a complete push: drop state derived from the old weights (prefix cache)."""
+        ...
