@@ -77,6 +77,22 @@ def _read_safetensors_headers(files: list[Path]) -> dict[str, TensorSpec]:
     return specs
 
 
+# Files next to the weights that are not weights (the same list vLLM's loader skips).
+NON_WEIGHT_FILES: frozenset[str] = frozenset(
+    {"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"}
+)
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The shards the index lists when there is one (a folder may also hold a consolidated copy), else all files."""
+    index = directory / SAFETENSORS_INDEX
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / n for n in names]
+    return sorted(directory.glob("*.safetensors"))
+
+
 def _read_torch_bins(files: list[Path]) -> dict[str, TensorSpec]:
     specs: dict[str, TensorSpec] = {}
     for f in files:
@@ -84,6 +100,20 @@ def _read_torch_bins(files: list[Path]) -> dict[str, TensorSpec]:
         state = torch.load(str(f), map_location="meta", weights_only=True)
         specs.update({k: TensorSpec(tuple(v.shape), v.dtype) for k, v in state.items()})
     return specs
+
+
+def _ties_embeddings(directory: Path) -> bool:
+    """Whether the model ties its output embedding, with the per-model-class default where the key is absent."""
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        return False
+    try:
+        from transformers import AutoConfig
+
+        # NOTE: transformers knows each class's default (True for Qwen2, False for Llama) and where VLMs keep it.
+        return bool(AutoConfig.from_pretrained(str(directory)).get_text_config().tie_word_embeddings)
+    except (ImportError, ValueError, KeyError):  # no transformers, or a model type it does not know
+        return tied_word_embeddings(json.loads(config_path.read_text()))
 
 
 def tied_word_embeddings(config: dict) -> bool:
@@ -108,15 +138,13 @@ def read_checkpoint_manifest(
         FileNotFoundError: no safetensors or `.bin` weights in the directory.
     """
     directory = resolve_checkpoint_dir(path_or_id, revision)
-    safetensors_files = sorted(directory.glob("*.safetensors"))
+    safetensors_files = _safetensors_files(directory)
     if safetensors_files:
         tensors = _read_safetensors_headers(safetensors_files)
     else:
-        bins = sorted(p for p in directory.glob("*.bin") if p.name != "training_args.bin")
+        bins = sorted(p for p in directory.glob("*.bin") if p.name not in NON_WEIGHT_FILES)
         if not bins:
             raise FileNotFoundError(f"No *.safetensors or *.bin weights in {directory}")
         tensors = _read_torch_bins(bins)
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    optional = frozenset(TIED_OUTPUT_NAMES) if tied_word_embeddings(config) else frozenset()
+    optional = frozenset(TIED_OUTPUT_NAMES) if _ties_embeddings(directory) else frozenset()
     return EngineManifest(tensors=tensors, optional=optional, engine_dtype=engine_dtype, source=str(directory))

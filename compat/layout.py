@@ -60,7 +60,7 @@ class TransformersLayout:
 
         self._revert = revert_weight_conversion
         self.model = model
-        self._converted: set[str] = set()
+        self._converted: set[str] | None = None
 
     def plan(
         self, canonical: Mapping[str, tuple[str, TensorSpec]]
@@ -80,6 +80,8 @@ class TransformersLayout:
         return tensors, targets
 
     def convert(self, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        if self._converted is None:
+            raise RuntimeError("TransformersLayout.convert called before plan(); plan once per model structure")
         if name not in self._converted:
             return ((name, tensor),)
         return self._revert(self.model, {name: tensor}).items()

@@ -67,10 +67,13 @@ class ManifestError(ValueError):
     """The planned sync does not match the engine; nothing was written."""
 
 
+# Dtypes the pipeline casts between (to the engine's dtype), as vLLM's loader does for a checkpoint stored in another
+# float dtype. FP8 is storage of a quantized checkpoint (values meaningful only with their scales), not a cast target.
+CASTABLE_DTYPES: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
 def _dtype_compatible(sent: torch.dtype, stored: torch.dtype) -> bool:
-    # NOTE: floating tensors are cast to the engine dtype by the pipeline (as vLLM's loader does for a checkpoint
-    # stored in another float dtype). Anything else (integer, bool, quantized storage) must match exactly.
-    if sent.is_floating_point and stored.is_floating_point:
+    if sent in CASTABLE_DTYPES and stored in CASTABLE_DTYPES:
         return True
     return sent == stored
 
@@ -99,10 +102,11 @@ def check_plan(plan: Iterable[PlannedTensor], manifest: EngineManifest) -> None:
         if expected is None:
             continue
         got = items[0].spec
+        source = ", ".join(items[0].sources)
         if tuple(got.shape) != tuple(expected.shape):
-            shape_bad.append(f"{name}: trainer {tuple(got.shape)} vs engine {tuple(expected.shape)}")
+            shape_bad.append(f"{name}: trainer {tuple(got.shape)} vs engine {tuple(expected.shape)}  (from {source})")
         if not _dtype_compatible(got.dtype, expected.dtype):
-            dtype_bad.append(f"{name}: trainer {got.dtype} vs engine {expected.dtype}")
+            dtype_bad.append(f"{name}: trainer {got.dtype} vs engine {expected.dtype}  (from {source})")
 
     problems: list[str] = []
     if unknown:

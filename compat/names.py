@@ -37,8 +37,9 @@ LEADING_WRAPPER_SEGMENTS: frozenset[str] = frozenset({"module", "_orig_mod"})
 
 # PEFT: the leading segments of a PeftModel (`base_model.model.`), removed as a pair.
 PEFT_ROOT_PREFIX: tuple[str, str] = ("base_model", "model")
-# PEFT: a tuner layer keeps the original layer as `base_layer`; the checkpoint name has no such segment.
-PEFT_BASE_LAYER_SEGMENT = "base_layer"
+# PEFT: a tuner layer keeps the original layer as `base_layer`, and `trainable_token_indices` wraps the embedding in
+# a `token_adapter`; the checkpoint name has neither segment.
+PEFT_WRAPPER_SEGMENTS: frozenset[str] = frozenset({"base_layer", "token_adapter"})
 # PEFT: `modules_to_save.<adapter>` holds the trained copy; `original_module` holds the frozen original.
 PEFT_MODULES_TO_SAVE_SEGMENT = "modules_to_save"
 PEFT_ORIGINAL_MODULE_SEGMENT = "original_module"
@@ -125,7 +126,7 @@ def _strip_peft(segments: list[str], rules: NameRules) -> list[str] | Dropped:
         if s == PEFT_MODULES_TO_SAVE_SEGMENT:
             skip_next = True
             continue
-        if s != PEFT_BASE_LAYER_SEGMENT:
+        if s not in PEFT_WRAPPER_SEGMENTS:
             out.append(s)
     return out
 

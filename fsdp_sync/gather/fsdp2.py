@@ -43,6 +43,17 @@ def _unshard_dtype(unit: nn.Module) -> torch.dtype | None:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
+def _full_tensor(param: torch.Tensor, compute_device: torch.device | None, meter: MemoryMeter) -> torch.Tensor:
+    """All-gather one DTensor (its shard moved to `compute_device` first, if given); plain tensors pass through."""
+    if not isinstance(param, DTensor):
+        return param.detach()
+    if compute_device is not None:
+        param = param.to(compute_device)
+    full = param.full_tensor()
+    meter.hold_until_freed(full)
+    return full
+
+
 class FSDP2ParamGatherer:
     """One `full_tensor()` per sharded parameter (peak: one parameter).
 
@@ -64,14 +75,7 @@ class FSDP2ParamGatherer:
 
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
-            if isinstance(param, DTensor):
-                if self.compute_device is not None:
-                    param = param.to(self.compute_device)
-                full = param.full_tensor()
-                meter.hold_until_freed(full)
-                yield name, full
-            else:
-                yield name, param.detach()
+            yield name, _full_tensor(param, self.compute_device, meter)
 
 
 class FSDP2UnitGatherer:
@@ -132,10 +136,7 @@ class FSDP2UnitGatherer:
                 continue
             if not to_unshard:
                 for name in names:
-                    param = self.model.get_parameter(name)
-                    if isinstance(param, DTensor) and self.compute_device is not None:
-                        param = param.to(self.compute_device)
-                    yield name, materialize(param)
+                    yield name, _full_tensor(self.model.get_parameter(name), self.compute_device, meter)
                 continue
             for unit in to_unshard:
                 unit.unshard()

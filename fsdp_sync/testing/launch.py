@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .dist import free_port
+
 __all__ = ["LaunchResult", "accelerate_config", "launch_job"]
 
 
@@ -69,7 +71,7 @@ def launch_job(
     num_processes: int = 2,
     use_orig_params: bool = True,
     timeout: float = 900,
-    port: int = 29533,
+    port: int | None = None,
 ) -> LaunchResult:
     """Run `python -m module job_args` on `num_processes` CPU ranks under `backend` ("single": one plain process).
 
@@ -90,7 +92,7 @@ def launch_job(
             "--config_file",
             str(config),
             "--main_process_port",
-            str(port),
+            str(port or free_port()),
             "-m",
             module,
             *job_args,

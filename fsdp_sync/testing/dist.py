@@ -1,0 +1,67 @@
+"""Run a function on N local processes with a real torch.distributed process group (gloo on CPU, NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_distributed"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        result: Any = ("ok", fn(rank, world_size, *args))
+    except BaseException as e:  # reported to the parent with the traceback
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    finally:
+        Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str | None = None) -> list[Any]:
+    """Call `fn(rank, world_size, *args)` on `world_size` spawned processes; return each rank's result.
+
+    `fn` must be importable (module level) and its result picklable. Raises RuntimeError naming the failing ranks
+    with their tracebacks.
+    """
+    backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo")
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), backend, fn, args, out),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        results = [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+    errors = [f"rank {r}: {msg}" for r, (status, msg) in enumerate(results) if status == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [value for _, value in results]

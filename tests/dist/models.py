@@ -1,0 +1,44 @@
+"""Tiny models for the torch-only distributed tests (built from configs, identical on every rank)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def tiny_lm(seed: int = 0, *, tie: bool = True, layers: int = 2) -> nn.Module:
+    """A Qwen2-style causal LM with nested decoder layers (the FSDP units) and tied embeddings."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def decoder_layer_cls(model: nn.Module) -> type:
+    return type(model.model.layers[0])
+
+
+def full_reference(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded weights by parameter name (tied weights once), cloned."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int = 0) -> float:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (2, 8), generator=generator)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.detach())
