@@ -50,6 +50,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--check", action="store_true", help="bit-exact engine check after every sync")
     p.add_argument("--stock", action="store_true", help="TRL's own sync (no mixin), recorded as it behaves")
+    p.add_argument(
+        "--stock-reload",
+        action="store_true",
+        help="TRL's own sync with its per-tensor engine call routed through the in-place reload (one per tensor)",
+    )
     p.add_argument("--perturb", type=float, default=0.02, help="std of the noise added before training")
     return p.parse_args(argv)
 
@@ -163,11 +168,17 @@ def _route_load_weights_to_reload(trainer: Any, pushed: list[str]) -> None:
     from compat.engine_api import engine_handle
 
     handle = engine_handle(trainer.vllm_generation.llm)
+    original = handle.model.load_weights
 
     def load_weights(weights: Any) -> set[str]:
         items = list(weights)
         pushed.extend(name for name, _ in items)
-        handle.push(iter(items))
+        # The in-place reload calls the model's own load_weights; give it the original while it runs.
+        handle.model.load_weights = original  # type: ignore[method-assign]
+        try:
+            handle.push(iter(items))
+        finally:
+            handle.model.load_weights = load_weights  # type: ignore[method-assign]
         return {name for name, _ in items}
 
     handle.model.load_weights = load_weights  # type: ignore[method-assign]
@@ -233,7 +244,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    if args.stock:
+    stock = args.stock or args.stock_reload
+    if stock:
         trainer = trainer_cls(**kwargs)
     else:
         synced = type(f"Synced{trainer_cls.__name__}", (FSDPVLLMSyncMixin, trainer_cls), {})
@@ -242,7 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     restore_fsdp_distributed_type(trainer)
 
     result: dict[str, Any] = {"rank": trainer.accelerator.process_index, "args": vars(args), "pushed": []}
-    if args.stock:
+    if args.stock_reload:
         _route_load_weights_to_reload(trainer, result["pushed"])
     checker = EngineChecker(trainer, peft_config) if args.check else None
     generation = trainer.vllm_generation
