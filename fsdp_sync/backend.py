@@ -7,6 +7,7 @@ TRL then still believes it runs FSDP1 (measured: its sync pushed nothing). The m
 from __future__ import annotations
 
 import enum
+import sys
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -14,7 +15,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-__all__ = ["Backend", "UnsupportedBackendError", "detect_backend", "unwrap_outer"]
+__all__ = ["Backend", "UnsupportedBackendError", "detect_backend", "unwrap_outer", "user_model"]
 
 
 class Backend(enum.Enum):
@@ -28,12 +29,34 @@ class UnsupportedBackendError(RuntimeError):
     """The model is wrapped in a way this library does not gather from."""
 
 
+def _is_compiled(model: nn.Module) -> bool:
+    # NOTE: imported only if torch.compile was used in this process (importing torch._dynamo costs about a second).
+    if "torch._dynamo" not in sys.modules:
+        return False
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(model, OptimizedModule)
+
+
 def unwrap_outer(model: nn.Module) -> nn.Module:
-    """Remove wrappers that only enclose the whole model: DDP/DataParallel (`.module`) and torch.compile."""
+    """Remove wrappers that only enclose the whole model: DDP/DataParallel (`.module`) and torch.compile, unless the
+    compiled module is itself an FSDP2 unit (accelerate may `fully_shard` the compiled model)."""
     while True:
         if isinstance(model, DistributedDataParallel | DataParallel):
             model = model.module
-        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        elif _is_compiled(model) and not isinstance(model, FSDPModule):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def user_model(model: nn.Module) -> nn.Module:
+    """The model the user built (a transformers or PEFT model), inside every whole-model wrapper (DDP, compile, the
+    FSDP1 root). Used for its structure (config, conversions, adapters), never to gather."""
+    while True:
+        if isinstance(model, DistributedDataParallel | DataParallel | FSDP):
+            model = model.module
+        elif _is_compiled(model):
             model = model._orig_mod
         else:
             return model

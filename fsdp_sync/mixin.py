@@ -18,11 +18,11 @@ from compat.layout import layout_for
 from compat.names import NameRules
 from compat.trl_api import MOVE_MODEL_TO_VLLM, TRLSyncTarget, find_sync_target, mark_weights_awake
 
-from .backend import Backend, UnsupportedBackendError, detect_backend, unwrap_outer
+from .backend import Backend, UnsupportedBackendError, detect_backend, user_model
 from .config import SyncConfig
 from .gather import make_gatherer
 from .peft_merge import PeftMerge
-from .pipeline import WeightSync
+from .pipeline import SyncPlan, WeightSync
 from .report import SyncReport
 from .writers import ColocateWriter, EngineWriter, ServerWriter
 
@@ -62,6 +62,11 @@ class FSDPVLLMSyncMixin:
         self.sync_weights_to_vllm()
 
     @property
+    def sync_plan(self) -> SyncPlan | None:
+        """What each sync sends (trainer name -> checkpoint name, dropped names); None before the first sync."""
+        return self._fvs_sync.plan() if self._fvs_sync is not None else None
+
+    @property
     def sync_backend(self) -> Backend | None:
         """The backend detected at the last sync (None before the first)."""
         return self._fvs_backend
@@ -74,7 +79,7 @@ class FSDPVLLMSyncMixin:
             case "colocate":
                 return ColocateWriter(target.llm, checkpoint_dir=checkpoint, wake_up_first=target.sleep_mode)
             case "server":
-                model = unwrap_outer(self.model)  # type: ignore[attr-defined]
+                model = user_model(self.model)  # type: ignore[attr-defined]
                 path = checkpoint or getattr(getattr(model, "config", None), "_name_or_path", "")
                 return ServerWriter(target.client, checkpoint_dir=path)
             case other:
@@ -84,7 +89,7 @@ class FSDPVLLMSyncMixin:
         writer = self._fvs_writer()
         device = self.accelerator.device  # type: ignore[attr-defined]
         compute_device = device if device.type != "cpu" else None
-        inner = unwrap_outer(model)
+        inner = user_model(model)
         rules = NameRules.for_model(inner)
         gatherer = make_gatherer(
             model,

@@ -48,6 +48,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fsdp2-strategy", default="unit")
     p.add_argument("--peft", action="store_true", help="train a LoRA adapter (r=4 on q_proj, v_proj)")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--torch-compile", default=None, help="compile the model with this torch.compile backend")
     p.add_argument("--check", action="store_true", help="bit-exact engine check after every sync")
     p.add_argument("--stock", action="store_true", help="TRL's own sync (no mixin), recorded as it behaves")
     p.add_argument(
@@ -100,6 +101,7 @@ class EngineChecker:
         self.trainer = trainer
         self.peft_config = peft_config
         self.records: list[dict[str, Any]] = []
+        self.lora_delta: float | None = None
 
     def _full_model(self) -> Any:
         import torch
@@ -120,7 +122,14 @@ class EngineChecker:
 
             ref = get_peft_model(ref, self.peft_config)
             ref.load_state_dict(state, strict=True)
-            return ref.merge_and_unload()
+            bases = {k.replace(".base_layer", ""): v for k, v in state.items() if ".base_layer." in k}
+            merged = ref.merge_and_unload()
+            # How far the adapters move the pushed weights: a check with a zero delta would prove nothing.
+            self.lora_delta = max(
+                (merged.get_parameter(k.removeprefix("base_model.model.")) - v).abs().max().item()
+                for k, v in bases.items()
+            )
+            return merged
         missing, unexpected = ref.load_state_dict(state, strict=False)
         real_missing = [m for m in missing if m not in ("lm_head.weight",)]
         if real_missing or unexpected:
@@ -158,6 +167,7 @@ class EngineChecker:
                 "direct_problems": direct_problems,
                 "reference_problems": problems,
                 "greedy": [list(o.outputs[0].token_ids) for o in outputs],
+                "lora_delta": self.lora_delta,
             }
         )
 
@@ -233,6 +243,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         use_cpu=on_cpu,
         seed=0,
         gradient_checkpointing=args.gradient_checkpointing,
+        torch_compile=args.torch_compile is not None,
+        torch_compile_backend=args.torch_compile,
     )
     config = config_cls(**common)
     dataset = Dataset.from_dict({"prompt": PROMPTS * 2})
@@ -278,8 +290,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["train_seconds"] = time.perf_counter() - start
     result["global_step"] = trainer.state.global_step
     result["wrapper"] = _wrapper_info(trainer.model_wrapped)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    result["checkpoint_wrappers"] = sum(isinstance(m, CheckpointWrapper) for m in trainer.model_wrapped.modules())
     result["backend"] = getattr(getattr(trainer, "sync_backend", None), "value", None)
     result["reports"] = [r.as_dict() for r in getattr(trainer, "sync_reports", [])]
+    plan = getattr(trainer, "sync_plan", None)
+    result["trainer_names"] = sorted(plan.targets) if plan is not None else []
+    result["dropped"] = [d.name for d in plan.dropped] if plan is not None else []
     result["sync_seconds"] = sync_seconds
     result["checks"] = checker.records if checker is not None else []
     result["logged"] = [h for h in trainer.state.log_history if any(k.startswith("weight_sync/") for k in h)]

@@ -15,7 +15,9 @@ from .dist import free_port
 __all__ = ["LaunchResult", "accelerate_config", "launch_job"]
 
 
-def accelerate_config(backend: str, num_processes: int = 2, *, use_orig_params: bool = True) -> dict[str, Any]:
+def accelerate_config(
+    backend: str, num_processes: int = 2, *, use_orig_params: bool = True, activation_checkpointing: bool = False
+) -> dict[str, Any]:
     """An accelerate config (as a dict) for `backend` in {"fsdp1", "fsdp2", "ddp"} on CPU processes.
 
     `fsdp_sync_module_states` is off: it raises on CPU ("no available devices"); every rank loads the same weights.
@@ -45,6 +47,7 @@ def accelerate_config(backend: str, num_processes: int = 2, *, use_orig_params: 
                 "fsdp_offload_params": False,
                 "fsdp_state_dict_type": "SHARDED_STATE_DICT",
                 "fsdp_reshard_after_forward": True if backend == "fsdp2" else "FULL_SHARD",
+                "fsdp_activation_checkpointing": activation_checkpointing,
             }
             if backend == "fsdp1":
                 fsdp["fsdp_use_orig_params"] = use_orig_params
@@ -70,6 +73,7 @@ def launch_job(
     backend: str,
     num_processes: int = 2,
     use_orig_params: bool = True,
+    activation_checkpointing: bool = False,
     timeout: float = 900,
     port: int | None = None,
 ) -> LaunchResult:
@@ -84,7 +88,16 @@ def launch_job(
         cmd = [sys.executable, "-m", module, *job_args]
     else:
         config = out / "accelerate.json"
-        config.write_text(json.dumps(accelerate_config(backend, num_processes, use_orig_params=use_orig_params)))
+        config.write_text(
+            json.dumps(
+                accelerate_config(
+                    backend,
+                    num_processes,
+                    use_orig_params=use_orig_params,
+                    activation_checkpointing=activation_checkpointing,
+                )
+            )
+        )
         cmd = [
             sys.executable,
             "-m",

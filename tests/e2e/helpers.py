@@ -19,6 +19,7 @@ def run_grpo(
     backend: str,
     *extra: str,
     use_orig_params: bool = True,
+    activation_checkpointing: bool = False,
     ranks: int = 2,
     check: bool = True,
 ) -> LaunchResult:
@@ -26,7 +27,14 @@ def run_grpo(
     linear weights unpacked so they can be read back)."""
     args = ["--model-dir", str(model_dir), "--out-dir", str(out_dir), *(["--check"] if check else []), *extra]
     return launch_job(
-        JOB, args, out_dir, backend=backend, num_processes=ranks, use_orig_params=use_orig_params, timeout=900
+        JOB,
+        args,
+        out_dir,
+        backend=backend,
+        num_processes=ranks,
+        use_orig_params=use_orig_params,
+        activation_checkpointing=activation_checkpointing,
+        timeout=900,
     )
 
 
