@@ -20,7 +20,7 @@ from .peft_merge import PeftMerge
 from .report import SyncReport
 from .writers.base import EngineWriter
 
-__all__ = ["IncompleteSyncError", "SyncPlan", "WeightSync"]
+__all__ = ["IncompleteSyncError", "SyncPlan", "WeightSync", "build_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,20 @@ class SyncPlan:
     tensors: tuple[PlannedTensor, ...]
     targets: dict[str, str]
     dropped: tuple[Dropped, ...] = field(default_factory=tuple)
+
+
+def build_plan(gatherer: Gatherer, rules: NameRules, layout: Layout) -> SyncPlan:
+    """The sync plan from metadata alone (names, shapes, dtypes; no gather), not yet checked against an engine."""
+    canonical: dict[str, tuple[str, TensorSpec]] = {}
+    dropped: list[Dropped] = []
+    for trainer_name, spec in gatherer.specs().items():
+        mapped = canonical_name(trainer_name, rules)
+        if isinstance(mapped, Dropped):
+            dropped.append(mapped)
+        else:
+            canonical[trainer_name] = (mapped, spec)
+    tensors, targets = layout.plan(canonical)
+    return SyncPlan(tensors=tuple(tensors), targets=targets, dropped=tuple(dropped))
 
 
 class WeightSync:
@@ -91,7 +105,7 @@ class WeightSync:
         error: Exception | None = None
         plan: SyncPlan | None = None
         try:
-            plan = self._build_plan()
+            plan = build_plan(self.gatherer, self.rules, self.layout)
             if self.check_manifest and self.writer.pushes:
                 check_plan(plan.tensors, self.writer.manifest())
         except (ManifestError, ValueError, FileNotFoundError) as e:
@@ -106,19 +120,6 @@ class WeightSync:
         self.writer.prepare(plan.tensors)
         self._plan = plan
         return plan
-
-    def _build_plan(self) -> SyncPlan:
-        specs = self.gatherer.specs()
-        canonical: dict[str, tuple[str, TensorSpec]] = {}
-        dropped: list[Dropped] = []
-        for trainer_name, spec in specs.items():
-            mapped = canonical_name(trainer_name, self.rules)
-            if isinstance(mapped, Dropped):
-                dropped.append(mapped)
-            else:
-                canonical[trainer_name] = (mapped, spec)
-        tensors, targets = self.layout.plan(canonical)
-        return SyncPlan(tensors=tuple(tensors), targets=targets, dropped=tuple(dropped))
 
     def _stream(self, plan: SyncPlan, counts: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under checkpoint names, cast to the engine dtype, copied where the gatherer frees storage."""
