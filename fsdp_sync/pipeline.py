@@ -122,9 +122,10 @@ class WeightSync:
         return plan
 
     def _stream(self, plan: SyncPlan, counts: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under checkpoint names, cast to the engine dtype, copied where the gatherer frees storage."""
+        """Full tensors under checkpoint names, cast to the engine dtype once; copied only where the writer keeps
+        references and the gatherer frees storage at the next unit."""
         dtype = self.writer.engine_dtype
-        copy = not self.gatherer.tensors_outlive_step
+        copy = self.writer.retains_tensors and not self.gatherer.tensors_outlive_step
         dropped = {d.name for d in plan.dropped}
         merge_names = self.merge.names if self.merge is not None else frozenset()
         seen: set[str] = set()

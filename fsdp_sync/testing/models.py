@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FAMILIES", "TinySpec", "build_tiny_checkpoint", "build_tokenizer"]
+__all__ = ["FAMILIES", "TinySpec", "build_tiny_checkpoint", "build_tokenizer", "config_for"]
 
 # A small word-level vocabulary: enough distinct tokens for prompts and completions to vary.
 _WORDS = (
@@ -42,7 +42,8 @@ class TinySpec:
     moe_intermediate_size: int = 64
 
 
-def _config(spec: TinySpec):
+def config_for(spec: TinySpec):
+    """The transformers config of a tiny spec."""
     from transformers import AutoConfig
 
     common = dict(
@@ -126,7 +127,7 @@ def build_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(spec), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config_for(spec), dtype=dtype)
     model.save_pretrained(str(out))
     (out / "tiny_spec.json").write_text(json.dumps(spec.__dict__, indent=1))
     return out

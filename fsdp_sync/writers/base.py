@@ -19,11 +19,15 @@ class EngineWriter(Protocol):
         kind: the transport, for reports (e.g. `"colocate:reload_weights"`).
         pushes: whether this rank writes at all. Ranks that do not push still gather (collectives) and drain.
         engine_dtype: the dtype tensors are cast to before the push (None: keep the trainer's).
+        retains_tensors: whether the transport keeps references to tensors after taking the next one (vLLM's
+            layer-wise reload buffers a layer's parts; the packed broadcast buffers a chunk). Then tensors whose
+            storage the gatherer frees at the next unit are copied first; otherwise they are passed as they are.
     """
 
     kind: str
     pushes: bool
     engine_dtype: torch.dtype | None
+    retains_tensors: bool
 
     def manifest(self) -> EngineManifest:
         """What the engine accepts, by checkpoint name; read once, without touching engine weights."""

@@ -42,6 +42,8 @@ class ColocateWriter:
     def __init__(self, llm: Any, *, checkpoint_dir: str | None = None, wake_up_first: bool = False) -> None:
         self.handle: EngineHandle = engine_handle(llm)
         self.kind = f"colocate:{self.handle.push_kind}"
+        # The layer-wise reload keeps each tensor until its layer is complete; load_weights copies at once.
+        self.retains_tensors = self.handle.push_kind == "reload_weights"
         self.engine_dtype: torch.dtype | None = self.handle.dtype
         self.checkpoint_dir = checkpoint_dir or self.handle.model_path
         self.wake_up_first = wake_up_first

@@ -28,6 +28,7 @@ class ServerWriter:
     """
 
     kind = "server:trl-client"
+    retains_tensors = True  # vLLM's packed broadcast concatenates a chunk of tensors before sending it
 
     def __init__(self, client: Any, *, checkpoint_dir: str, engine_dtype: torch.dtype | None = None) -> None:
         self.client = client

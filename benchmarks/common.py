@@ -1,0 +1,117 @@
+"""Measurement helpers shared by the CPU and GPU benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Measurement", "RssPeak", "measure", "wrap_fsdp"]
+
+
+class RssPeak:
+    """Peak resident-set growth of this process while the block runs, sampled every `interval` seconds.
+
+    Why sampling: torch keeps no CPU allocator high-water mark; every method is measured the same way.
+    """
+
+    def __init__(self, interval: float = 0.0005) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self.interval = interval
+        self.peak_bytes = 0
+
+    def __enter__(self) -> RssPeak:
+        self._base = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._max = self._base
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._max = max(self._max, self._proc.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._max = max(self._max, self._proc.memory_info().rss)
+        self.peak_bytes = self._max - self._base
+
+
+@dataclass
+class Measurement:
+    model: str
+    backend: str
+    method: str
+    rep: int
+    seconds: float
+    tensors: int
+    bytes: int
+    peak_extra_bytes: int
+    peak_source: str
+    world_size: int
+    rank: int
+
+    def row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure(fn: Callable[[], tuple[int, int]], device: torch.device) -> tuple[float, int, int, int, str]:
+    """Run `fn` (returns tensors, bytes) once on every rank; (seconds, tensors, bytes, peak bytes, peak source).
+
+    On CUDA the peak is the allocator's high-water mark above what was allocated before; on CPU the sampled RSS.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        tensors, nbytes = fn()
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        return seconds, tensors, nbytes, torch.cuda.max_memory_allocated(device) - base, "cuda_allocator"
+    with RssPeak() as rss:
+        start = time.perf_counter()
+        tensors, nbytes = fn()
+        seconds = time.perf_counter() - start
+    return seconds, tensors, nbytes, rss.peak_bytes, "rss_sampled"
+
+
+def wrap_fsdp(model: torch.nn.Module, backend: str, device: torch.device) -> torch.nn.Module:
+    """Shard a transformers causal LM the way accelerate does: one unit per decoder layer, plus the root."""
+    layer_cls = type(model.model.layers[0])
+    world = dist.get_world_size()
+    match backend:
+        case "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            device_id = torch.device("cpu") if device.type == "cpu" else device
+            return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), device_id=device_id, use_orig_params=True)
+        case "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device.type, (world,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model
+        case _:
+            raise ValueError(f"backend {backend!r}; valid: fsdp1, fsdp2")
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)

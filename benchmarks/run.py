@@ -1,0 +1,100 @@
+"""One entry point for the sync benchmarks.
+
+    python -m benchmarks.run cpu [--reps 5] [--models qwen2-36m,qwen2-150m]
+    python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU)
+    python -m benchmarks.run report [--results benchmarks/results]
+
+Each writes `<results>/<kind>.json` (raw rows), `<kind>.md` (table) and `<kind>.png` (time and peak memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+from .report import plot, summarize, table
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _write(kind: str, rows: list[dict], out: Path, machine: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{kind}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    _report(kind, out)
+
+
+def _report(kind: str, out: Path) -> None:
+    data = json.loads((out / f"{kind}.json").read_text())
+    summary = summarize(data["rows"])
+    text = f"Machine: {data['machine']}\n\n{table(summary)}\n"
+    (out / f"{kind}.md").write_text(text)
+    plot(summary, out / f"{kind}.png", f"weight sync, {kind}: {data['machine']}")
+    print(text)
+
+
+def _cpu(args: argparse.Namespace) -> None:
+    from fsdp_sync.testing.dist import run_distributed
+    from fsdp_sync.testing.models import build_tiny_checkpoint
+
+    from .cpu import cpu_worker
+    from .shapes import CPU_SHAPES
+
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            model_dir = build_tiny_checkpoint(Path(tmp) / name, CPU_SHAPES[name])
+            for rank_rows in run_distributed(cpu_worker, name, str(model_dir), args.reps, world_size=2, backend="gloo"):
+                rows.extend(rank_rows)
+    import os
+
+    machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo ranks, vLLM CPU engine in each rank"
+    _write("cpu", rows, args.results, machine)
+
+
+def _gpu(args: argparse.Namespace) -> None:
+    import torch
+
+    from fsdp_sync.testing.dist import run_distributed
+
+    from .gpu import gpu_worker
+
+    world = args.world_size or torch.cuda.device_count()
+    rows: list[dict] = []
+    for name in args.models.split(","):
+        for rank_rows in run_distributed(gpu_worker, name, args.reps, args.check, world_size=world, backend="nccl"):
+            rows.extend(rank_rows)
+    machine = f"{world}x {torch.cuda.get_device_name(0)}, NCCL, torch {torch.__version__}"
+    _write("gpu" if world == 1 else f"gpu{world}", rows, args.results, machine)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="kind", required=True)
+    cpu = sub.add_parser("cpu")
+    cpu.add_argument("--models", default="qwen2-36m,qwen2-150m")
+    gpu = sub.add_parser("gpu")
+    gpu.add_argument("--models", default="qwen2-1.5b,qwen2-7b")
+    gpu.add_argument("--world-size", type=int, default=0)
+    gpu.add_argument("--check", action="store_true", help="verify the engine buffers bit for bit after each method")
+    rep = sub.add_parser("report")
+    rep.add_argument("--kind", default="cpu")
+    for p in (cpu, gpu, rep):
+        p.add_argument("--reps", type=int, default=5)
+        p.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    match args.kind:
+        case "cpu":
+            _cpu(args)
+        case "gpu":
+            _gpu(args)
+        case "report":
+            _report(args.kind if args.kind != "report" else "cpu", args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""`fsdp_sync.pipeline`: plan, manifest check, copy and cast decisions, stream completeness and the report.
+
+The gatherer and writer here are plain fakes implementing the protocols of `gather/base.py` and `writers/base.py`, so
+that every decision of the pipeline (not of a backend or an engine) is observable: what was asked, what was written.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from compat.layout import IdentityLayout
+from compat.manifest import EngineManifest, ManifestError, PlannedTensor, TensorSpec
+from compat.names import NameRules
+from fsdp_sync.distributed import all_ranks_ok
+from fsdp_sync.memory import MemoryMeter
+from fsdp_sync.pipeline import IncompleteSyncError, SyncPlan, WeightSync, build_plan
+from fsdp_sync.report import SyncReport
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+NORM = "model.norm.weight"
+EMBED = "model.embed_tokens.weight"
+
+# Trainer names as an FSDP1 per-layer wrap shows them, and a value head the engine does not have.
+WRAPPED_Q_PROJ = "_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.self_attn.q_proj.weight"
+WRAPPED_NORM = "_fsdp_wrapped_module.model.norm.weight"
+WRAPPED_EMBED = "_fsdp_wrapped_module.model.embed_tokens.weight"
+V_HEAD = "_fsdp_wrapped_module.v_head.weight"
+
+
+def _tensors(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        WRAPPED_EMBED: torch.randn(16, 8, dtype=dtype),
+        WRAPPED_Q_PROJ: torch.randn(8, 8, dtype=dtype),
+        WRAPPED_NORM: torch.randn(8, dtype=dtype),
+        V_HEAD: torch.randn(1, 8, dtype=dtype),
+    }
+
+
+class FakeGatherer:
+    """Yields the given tensors by trainer name; records how far it was iterated."""
+
+    strategy = "fake-unit"
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        outlive: bool = True,
+        extra: dict[str, torch.Tensor] | None = None,
+        omit: Iterable[str] = (),
+    ) -> None:
+        self.tensors = tensors
+        self.tensors_outlive_step = outlive
+        self.extra = extra or {}
+        self.omit = set(omit)
+        self.yielded: list[tuple[str, torch.Tensor]] = []
+        self.iter_calls = 0
+        self.exhausted = 0
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in self.tensors.items()}
+
+    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+        self.iter_calls += 1
+        for name, tensor in itertools.chain(self.tensors.items(), self.extra.items()):
+            if name in self.omit:
+                continue
+            self.yielded.append((name, tensor))
+            yield name, tensor
+        self.exhausted += 1
+
+
+class FakeWriter:
+    """Keeps every tensor it is given (or only the first `stop_after`); counts each protocol call."""
+
+    kind = "fake:writer"
+
+    def __init__(
+        self,
+        manifest: EngineManifest | None = None,
+        *,
+        pushes: bool = True,
+        engine_dtype: torch.dtype | None = None,
+        retains_tensors: bool = True,
+        stop_after: int | None = None,
+    ) -> None:
+        self._manifest = manifest
+        self.pushes = pushes
+        self.engine_dtype = engine_dtype
+        self.retains_tensors = retains_tensors
+        self.stop_after = stop_after
+        self.calls: dict[str, int] = {"manifest": 0, "prepare": 0, "write": 0, "finish": 0}
+        self.prepared: Sequence[PlannedTensor] = ()
+        self.received: list[tuple[str, torch.Tensor]] = []
+
+    def manifest(self) -> EngineManifest:
+        self.calls["manifest"] += 1
+        assert self._manifest is not None, "manifest() called on a writer that has none"
+        return self._manifest
+
+    def prepare(self, planned: Sequence[PlannedTensor]) -> None:
+        self.calls["prepare"] += 1
+        self.prepared = planned
+
+    def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.calls["write"] += 1
+        self.received = []
+        stream = weights if self.stop_after is None else itertools.islice(weights, self.stop_after)
+        for name, tensor in stream:
+            self.received.append((name, tensor))
+
+    def finish(self) -> None:
+        self.calls["finish"] += 1
+
+
+def _manifest_for(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> EngineManifest:
+    """What an engine started from these tensors' checkpoint accepts (the value head is not part of it)."""
+    rules = NameRules()
+    from compat.names import canonical_name
+
+    specs: dict[str, TensorSpec] = {}
+    for name, t in tensors.items():
+        mapped = canonical_name(name, rules)
+        if isinstance(mapped, str):
+            specs[mapped] = TensorSpec(tuple(t.shape), t.dtype)
+    return EngineManifest(tensors=specs, engine_dtype=dtype, source="fake")
+
+
+# --- plan -------------------------------------------------------------------------------------------------------
+
+
+def test_build_plan_maps_wrapper_names_to_checkpoint_names_and_lists_dropped() -> None:
+    """The plan maps each trainer name to its checkpoint name; the value head is listed as dropped, not sent."""
+    plan = build_plan(FakeGatherer(_tensors()), NameRules(), IdentityLayout())
+    assert isinstance(plan, SyncPlan)
+    assert plan.targets == {WRAPPED_EMBED: EMBED, WRAPPED_Q_PROJ: Q_PROJ, WRAPPED_NORM: NORM}
+    assert [d.name for d in plan.dropped] == [V_HEAD]
+    assert "v_head" in plan.dropped[0].reason
+    assert [(t.name, t.sources) for t in plan.tensors] == [
+        (EMBED, (WRAPPED_EMBED,)),
+        (Q_PROJ, (WRAPPED_Q_PROJ,)),
+        (NORM, (WRAPPED_NORM,)),
+    ]
+    assert plan.tensors[1].spec == TensorSpec((8, 8), torch.float32)
+
+
+def test_manifest_error_is_raised_before_anything_is_gathered_or_written() -> None:
+    """A plan that fails the manifest check raises ManifestError; no gather, prepare, write or finish happens."""
+    tensors = _tensors()
+    manifest = _manifest_for(tensors)
+    bad = dict(manifest.tensors)
+    bad[Q_PROJ] = TensorSpec((8, 4), torch.float32)  # shape mismatch
+    del bad[NORM]  # the trainer sends a name the engine lacks
+    gatherer = FakeGatherer(tensors)
+    writer = FakeWriter(EngineManifest(tensors=bad, source="fake"))
+    sync = WeightSync(gatherer, writer)
+    with pytest.raises(ManifestError) as err:
+        sync.sync()
+    assert Q_PROJ in str(err.value) and NORM in str(err.value)
+    assert writer.calls == {"manifest": 1, "prepare": 0, "write": 0, "finish": 0}
+    assert gatherer.iter_calls == 0
+
+
+def test_failed_plan_is_not_cached() -> None:
+    """After a ManifestError the next sync checks again (and fails again) instead of pushing an unchecked plan."""
+    tensors = _tensors()
+    writer = FakeWriter(EngineManifest(tensors={}, source="fake"))
+    sync = WeightSync(FakeGatherer(tensors), writer)
+    for _ in range(2):
+        with pytest.raises(ManifestError):
+            sync.sync()
+    assert writer.calls == {"manifest": 2, "prepare": 0, "write": 0, "finish": 0}
+
+
+def test_prepare_receives_the_checked_plan_in_stream_order() -> None:
+    """prepare() is called after a passing check, with the planned tensors in the order they are then written."""
+    tensors = _tensors()
+    writer = FakeWriter(_manifest_for(tensors))
+    WeightSync(FakeGatherer(tensors), writer).sync()
+    assert [t.name for t in writer.prepared] == [name for name, _ in writer.received] == [EMBED, Q_PROJ, NORM]
+
+
+def test_plan_is_computed_once_over_three_syncs() -> None:
+    """The manifest is read and prepare() called once; three syncs each gather, write and finish once."""
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    writer = FakeWriter(_manifest_for(tensors))
+    sync = WeightSync(gatherer, writer)
+    first = sync.plan()
+    for _ in range(3):
+        sync.sync()
+    assert sync.plan() is first
+    assert writer.calls == {"manifest": 1, "prepare": 1, "write": 3, "finish": 3}
+    assert gatherer.iter_calls == 3
+
+
+def test_check_manifest_false_never_reads_the_manifest() -> None:
+    """With check_manifest=False the engine manifest is not read, and the push still happens."""
+    writer = FakeWriter(None)
+    WeightSync(FakeGatherer(_tensors()), writer, check_manifest=False).sync()
+    assert writer.calls == {"manifest": 0, "prepare": 1, "write": 1, "finish": 1}
+    assert [name for name, _ in writer.received] == [EMBED, Q_PROJ, NORM]
+
+
+# --- copy and cast ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("outlive", [True, False])
+@pytest.mark.parametrize("retains", [True, False])
+def test_copy_exactly_when_writer_retains_and_gatherer_frees(retains: bool, outlive: bool) -> None:
+    """Tensors are copied iff the writer retains them and the gatherer frees storage at its next step."""
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors, outlive=outlive)
+    writer = FakeWriter(_manifest_for(tensors), retains_tensors=retains)
+    WeightSync(gatherer, writer).sync()
+    expect_copy = retains and not outlive
+    yielded = dict(gatherer.yielded)
+    sent = {EMBED: WRAPPED_EMBED, Q_PROJ: WRAPPED_Q_PROJ, NORM: WRAPPED_NORM}
+    assert len(writer.received) == 3
+    for name, received in writer.received:
+        source = yielded[sent[name]]
+        assert torch.equal(received, source)
+        if expect_copy:
+            assert received is not source
+            assert received.data_ptr() != source.data_ptr()
+        else:
+            assert received is source
+
+
+def test_copies_are_accounted_until_the_writer_releases_them() -> None:
+    """Copies the writer keeps are the sync's extra memory: the accounted peak equals their total bytes."""
+    tensors = _tensors()
+    writer = FakeWriter(_manifest_for(tensors), retains_tensors=True)
+    report = WeightSync(FakeGatherer(tensors, outlive=False), writer).sync()
+    sent_bytes = sum(t.numel() * t.element_size() for _, t in writer.received)
+    assert report.memory_source == "accounted"
+    assert report.peak_extra_bytes == sent_bytes == report.bytes
+
+
+def test_pass_through_adds_no_accounted_memory() -> None:
+    """Tensors passed through as they are (no copy, no cast) add nothing to the accounted peak."""
+    tensors = _tensors()
+    report = WeightSync(FakeGatherer(tensors), FakeWriter(_manifest_for(tensors))).sync()
+    assert report.peak_extra_bytes == 0
+
+
+@pytest.mark.parametrize("outlive", [True, False])
+def test_floating_tensors_cast_to_engine_dtype_integers_kept(outlive: bool) -> None:
+    """Floating tensors arrive in the writer's engine_dtype (values as `.to` gives them); integer ones keep theirs."""
+    tensors = _tensors()
+    tensors["_fsdp_wrapped_module.model.position_ids"] = torch.arange(12, dtype=torch.int64)
+    gatherer = FakeGatherer(tensors, outlive=outlive)
+    writer = FakeWriter(_manifest_for(tensors, torch.bfloat16), engine_dtype=torch.bfloat16)
+    WeightSync(gatherer, writer).sync()
+    received = dict(writer.received)
+    for name in (EMBED, Q_PROJ, NORM):
+        assert received[name].dtype == torch.bfloat16
+    source = dict(gatherer.yielded)
+    assert torch.equal(received[Q_PROJ], source[WRAPPED_Q_PROJ].to(torch.bfloat16))
+    positions = received["model.position_ids"]
+    assert positions.dtype == torch.int64
+    assert torch.equal(positions, torch.arange(12))
+
+
+def test_already_engine_dtype_is_not_cast_again() -> None:
+    """A tensor already in the engine dtype, from a gatherer whose tensors outlive the step, is passed as is."""
+    tensors = _tensors(torch.bfloat16)
+    gatherer = FakeGatherer(tensors, outlive=True)
+    writer = FakeWriter(_manifest_for(tensors, torch.bfloat16), engine_dtype=torch.bfloat16)
+    WeightSync(gatherer, writer).sync()
+    yielded = dict(gatherer.yielded)
+    assert dict(writer.received)[Q_PROJ] is yielded[WRAPPED_Q_PROJ]
+
+
+class _AddOne:
+    """A merge that returns a new tensor for one checkpoint name (stands in for PeftMerge)."""
+
+    names = frozenset({Q_PROJ})
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+
+    def apply(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        if name not in self.names:
+            return base
+        out = base + 1
+        self.outputs.append(out)
+        return out
+
+
+def test_merged_tensor_is_not_copied_again() -> None:
+    """A merge output is already fresh: it reaches a retaining writer without a second copy, with the merged values."""
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors, outlive=False)
+    writer = FakeWriter(_manifest_for(tensors), retains_tensors=True)
+    merge = _AddOne()
+    WeightSync(gatherer, writer, merge=merge).sync()  # type: ignore[arg-type]
+    received = dict(writer.received)
+    assert len(merge.outputs) == 1
+    assert received[Q_PROJ] is merge.outputs[0]
+    assert torch.equal(received[Q_PROJ], tensors[WRAPPED_Q_PROJ] + 1)
+    assert received[NORM] is not tensors[WRAPPED_NORM]  # unmerged tensors are still copied
+
+
+# --- stream completeness ------------------------------------------------------------------------------------------
+
+
+def test_non_pushing_writer_drains_the_stream() -> None:
+    """With pushes=False the gather still runs to the end (its collectives), and nothing is written."""
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    writer = FakeWriter(None, pushes=False)
+    report = WeightSync(gatherer, writer).sync()
+    assert gatherer.exhausted == 1
+    assert [name for name, _ in gatherer.yielded] == list(tensors)
+    assert writer.calls["write"] == 0 and writer.calls["finish"] == 0
+    assert writer.calls["manifest"] == 0  # only pushing ranks read the engine manifest
+    assert report.tensors == 3
+
+
+def test_writer_stopping_early_raises() -> None:
+    """A writer that returns before the end of the stream makes the sync fail, naming the writer; finish() is skipped."""
+    tensors = _tensors()
+    writer = FakeWriter(_manifest_for(tensors), stop_after=1)
+    with pytest.raises(IncompleteSyncError, match="fake:writer"):
+        WeightSync(FakeGatherer(tensors), writer).sync()
+    assert writer.calls["finish"] == 0
+
+
+def test_writer_taking_exactly_the_planned_count_succeeds() -> None:
+    """A writer that takes exactly the planned tensors and never asks for the end is fine: the drain finishes it."""
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    writer = FakeWriter(_manifest_for(tensors), stop_after=3)
+    report = WeightSync(gatherer, writer).sync()
+    assert gatherer.exhausted == 1
+    assert writer.calls["finish"] == 1
+    assert report.tensors == 3
+
+
+def test_unplanned_name_raises() -> None:
+    """A gathered name that is neither planned nor dropped (the model changed) raises IncompleteSyncError naming it."""
+    tensors = _tensors()
+    extra = {"_fsdp_wrapped_module.model.new_layer.weight": torch.zeros(2)}
+    writer = FakeWriter(_manifest_for(tensors))
+    with pytest.raises(IncompleteSyncError, match="model.new_layer.weight"):
+        WeightSync(FakeGatherer(tensors, extra=extra), writer).sync()
+    assert writer.calls["finish"] == 0
+
+
+def test_dropped_name_is_skipped_silently() -> None:
+    """A gathered name the plan dropped on purpose is neither written nor an error."""
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    writer = FakeWriter(_manifest_for(tensors))
+    WeightSync(gatherer, writer).sync()
+    assert V_HEAD in dict(gatherer.yielded)
+    assert all("v_head" not in name for name, _ in writer.received)
+
+
+def test_missing_planned_name_raises_at_the_end() -> None:
+    """A planned name never gathered raises IncompleteSyncError after the rest was streamed; finish() is skipped."""
+    tensors = _tensors()
+    writer = FakeWriter(_manifest_for(tensors))
+    with pytest.raises(IncompleteSyncError, match="never gathered") as err:
+        WeightSync(FakeGatherer(tensors, omit=[WRAPPED_NORM]), writer).sync()
+    assert WRAPPED_NORM in str(err.value)
+    assert [name for name, _ in writer.received] == [EMBED, Q_PROJ]
+    assert writer.calls["finish"] == 0
+
+
+# --- report ------------------------------------------------------------------------------------------------------
+
+
+def test_report_counts_tensors_and_engine_dtype_bytes() -> None:
+    """The report counts pushed tensors and their bytes in the engine dtype (dropped ones excluded), seconds > 0."""
+    tensors = _tensors()
+    writer = FakeWriter(_manifest_for(tensors, torch.bfloat16), engine_dtype=torch.bfloat16)
+    report = WeightSync(FakeGatherer(tensors), writer, backend="fsdp1").sync()
+    numel = 16 * 8 + 8 * 8 + 8  # embed, q_proj, norm; not the value head
+    assert isinstance(report, SyncReport)
+    assert report.tensors == 3
+    assert report.bytes == numel * 2
+    assert report.seconds > 0
+    assert (report.backend, report.strategy, report.writer) == ("fsdp1", "fake-unit", "fake:writer")
+    assert report.gbps == pytest.approx(report.bytes / report.seconds / 1e9)
+
+
+def test_report_metrics_keys_and_values() -> None:
+    """metrics() gives the five scalar figures under the prefix, in GB where a size."""
+    report = SyncReport(
+        seconds=0.5,
+        bytes=2_000_000_000,
+        tensors=7,
+        peak_extra_bytes=3_000_000_000,
+        memory_source="accounted",
+        backend="fsdp2",
+        strategy="fsdp2-unit",
+        writer="fake",
+    )
+    assert report.metrics() == {
+        "weight_sync/seconds": 0.5,
+        "weight_sync/gbytes": 2.0,
+        "weight_sync/gbps": 4.0,
+        "weight_sync/tensors": 7.0,
+        "weight_sync/peak_extra_gbytes": 3.0,
+    }
+    assert set(report.metrics(prefix="sync.")) == {
+        "sync.seconds",
+        "sync.gbytes",
+        "sync.gbps",
+        "sync.tensors",
+        "sync.peak_extra_gbytes",
+    }
+
+
+def test_report_gbps_is_zero_for_zero_seconds() -> None:
+    """A zero-duration report gives 0 GB/s instead of dividing by zero."""
+    report = SyncReport(0.0, 10, 1, 0, "accounted", "plain", "plain", "fake")
+    assert report.gbps == 0.0
+
+
+def test_all_ranks_ok_without_process_group() -> None:
+    """Without torch.distributed initialised, all_ranks_ok answers this process's own flag."""
+    assert not dist.is_initialized()
+    assert all_ranks_ok(True) is True
+    assert all_ranks_ok(False) is False
