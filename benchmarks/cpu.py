@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .common import Measurement, measure, wrap_fsdp
 
-OURS = {"fsdp1": ["unit", "root"], "fsdp2": ["unit", "param"]}
+OURS = {"fsdp1": ["flat", "unit", "root"], "fsdp2": ["flat", "unit", "param"]}
 
 
 def _engine(model_dir: str):

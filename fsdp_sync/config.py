@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 __all__ = ["SyncConfig"]
 
-_FSDP1 = ("unit", "root")
-_FSDP2 = ("unit", "param")
+_FSDP1 = ("unit", "root", "flat")
+_FSDP2 = ("unit", "param", "flat")
 
 
 @dataclass(frozen=True)
@@ -15,10 +15,14 @@ class SyncConfig:
     """How weights are gathered and pushed.
 
     Attributes:
-        fsdp1_strategy: `"unit"` (default): one FSDP unit full at a time, parents first; peak memory is the largest
-            unit. `"root"`: one `summon_full_params(root, recurse=True)`; peak memory is the whole model on every rank.
-        fsdp2_strategy: `"unit"` (default): one grouped all-gather per FSDP unit (`unshard()`); `"param"`: one
-            `full_tensor()` per parameter.
+        fsdp1_strategy: `"unit"`: one FSDP unit full at a time (`summon_full_params(unit, recurse=False)`, parents
+            first); peak memory is the largest unit. `"root"`: one `summon_full_params(root, recurse=True)`; peak
+            memory is the whole model on every rank. `"flat"`: one all-gather per unit of its flat shard, cast to the
+            engine dtype first, the next unit's gather overlapping the current push; peak two units in the engine
+            dtype.
+        fsdp2_strategy: `"unit"`: one grouped all-gather per FSDP unit (`unshard()`); `"param"`: one
+            `full_tensor()` per parameter; `"flat"`: as FSDP1's, from the units' local shards.
+        PEFT models use `"unit"` where `"flat"` is configured (the adapter merge needs the modules' full views).
         check_manifest: check names, shapes and dtypes against the engine's checkpoint before the first push.
         checkpoint_dir: the checkpoint the engine was started from, when it is not the engine's model path.
         log_metrics: add the sync figures to the trainer's logged metrics.

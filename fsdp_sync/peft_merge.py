@@ -32,10 +32,12 @@ class UnsupportedAdapterError(ValueError):
 class _Target:
     module: nn.Module
     adapters: tuple[str, ...]
+    bias: bool = False  # the base bias receiving `lora_B.bias * scaling` (LoRA with `lora_bias=True`)
 
 
 class PeftMerge:
-    """Adds each tuner layer's active, unmerged adapters to its base weight as it streams past.
+    """Adds each tuner layer's active, unmerged adapters to its base weight (and bias, with `lora_bias`) as it
+    streams past.
 
     Build with `PeftMerge.for_model`; `apply(checkpoint_name, full_base_weight)` returns the merged tensor.
     """
@@ -79,6 +81,11 @@ class PeftMerge:
             if isinstance(name, Dropped):
                 continue
             targets[name] = _Target(module, adapters)
+            bias_adapters = tuple(a for a in adapters if getattr(module, "lora_bias", {}).get(a, False))
+            if bias_adapters:
+                bias_name = canonical_name(f"{path}.base_layer.bias", rules)
+                assert not isinstance(bias_name, Dropped)
+                targets[bias_name] = _Target(module, bias_adapters, bias=True)
         if unsupported:
             raise UnsupportedAdapterError(
                 f"{len(unsupported)} adapter layer(s) cannot be merged as an additive delta: "
@@ -95,10 +102,14 @@ class PeftMerge:
             return base
         merged = base.clone()
         for adapter in target.adapters:
-            delta = target.module.get_delta_weight(adapter)
+            if target.bias:
+                delta = target.module.lora_B[adapter].bias * target.module.scaling[adapter]
+            else:
+                delta = target.module.get_delta_weight(adapter)
             if isinstance(delta, DTensor):
                 delta = delta.full_tensor()
-            merged += delta.to(merged.dtype)
+            # NOTE: in place with type promotion, as PEFT's merge (`weight.data += delta`): one rounding, not two.
+            merged += delta
         return merged
 
 

@@ -168,9 +168,13 @@ class WeightSync:
         stream = self._stream(plan, counts)
         if self.writer.pushes:
             self.writer.write(stream)
-            # A writer must consume the whole stream; draining also runs the remaining collectives and the final check.
-            for _ in stream:
-                raise IncompleteSyncError(f"{self.writer.kind} stopped before the end of the weight stream")
+            # A writer must consume the whole stream. Drain it anyway before raising: the rest of the gather holds
+            # collectives the other ranks are waiting in.
+            leftover = sum(1 for _ in stream)
+            if leftover:
+                raise IncompleteSyncError(
+                    f"{self.writer.kind} stopped {leftover} tensor(s) before the end of the weight stream"
+                )
             self.writer.finish()
         else:
             for _ in stream:

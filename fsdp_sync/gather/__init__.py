@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -9,12 +11,17 @@ from ..backend import Backend, unwrap_outer
 from ..config import SyncConfig
 from .base import Gatherer
 from .fsdp1 import FSDP1RootSummonGatherer, FSDP1UnitGatherer
+from .flat import FSDP1FlatGatherer, FSDP2FlatGatherer
 from .fsdp2 import FSDP2ParamGatherer, FSDP2UnitGatherer
 from .plain import PlainGatherer
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
+    "FSDP1FlatGatherer",
     "FSDP1RootSummonGatherer",
     "FSDP1UnitGatherer",
+    "FSDP2FlatGatherer",
     "FSDP2ParamGatherer",
     "FSDP2UnitGatherer",
     "Gatherer",
@@ -41,18 +48,26 @@ def make_gatherer(
         merge_scopes: module types whose nested units are gathered with their enclosing unit (PEFT tuner layers).
     """
     inner = unwrap_outer(model)
-    match backend:
-        case Backend.FSDP1:
-            if config.fsdp1_strategy == "unit":
-                return FSDP1UnitGatherer(inner, merge_scopes=merge_scopes)
+    strategy = config.fsdp1_strategy if backend == Backend.FSDP1 else config.fsdp2_strategy
+    if strategy == "flat" and merge_scopes:
+        logger.info("fsdp-vllm-sync: PEFT model; using the per-unit strategy instead of 'flat' (the merge needs it)")
+        strategy = "unit"
+    match backend, strategy:
+        case Backend.FSDP1, "unit":
+            return FSDP1UnitGatherer(inner, merge_scopes=merge_scopes)
+        case Backend.FSDP1, "root":
             return FSDP1RootSummonGatherer(inner)
-        case Backend.FSDP2:
-            if config.fsdp2_strategy == "unit":
-                return FSDP2UnitGatherer(
-                    inner, engine_dtype=engine_dtype, compute_device=compute_device, merge_scopes=merge_scopes
-                )
+        case Backend.FSDP1, "flat":
+            return FSDP1FlatGatherer(inner, engine_dtype=engine_dtype, compute_device=compute_device)
+        case Backend.FSDP2, "unit":
+            return FSDP2UnitGatherer(
+                inner, engine_dtype=engine_dtype, compute_device=compute_device, merge_scopes=merge_scopes
+            )
+        case Backend.FSDP2, "param":
             return FSDP2ParamGatherer(inner, compute_device=compute_device)
-        case Backend.DDP | Backend.PLAIN:
+        case Backend.FSDP2, "flat":
+            return FSDP2FlatGatherer(inner, engine_dtype=engine_dtype, compute_device=compute_device)
+        case (Backend.DDP | Backend.PLAIN), _:
             return PlainGatherer(inner)
         case _:
-            raise ValueError(f"Unknown backend {backend!r}; valid: {[b.value for b in Backend]}")
+            raise ValueError(f"Unknown backend/strategy {backend!r}/{strategy!r}; see SyncConfig for valid ones")

@@ -6,13 +6,13 @@ import torch
 from torch import nn
 
 
-def tiny_lm(seed: int = 0, *, tie: bool = True, layers: int = 2) -> nn.Module:
+def tiny_lm(seed: int = 0, *, tie: bool = True, layers: int = 2, vocab: int = 256) -> nn.Module:
     """A Qwen2-style causal LM with nested decoder layers (the FSDP units) and tied embeddings."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
         "qwen2",
-        vocab_size=256,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from compat.names import canonical_name
-from fsdp_sync.gather import FSDP1RootSummonGatherer, FSDP1UnitGatherer
+from fsdp_sync.gather import FSDP1FlatGatherer, FSDP1RootSummonGatherer, FSDP1UnitGatherer
 from fsdp_sync.memory import MemoryMeter
 from fsdp_sync.testing.dist import run_distributed
 
@@ -55,7 +55,7 @@ def child_first_then_train(rank: int, world_size: int, use_orig_params: bool) ->
 
 def gather_then_train(rank: int, world_size: int, use_orig_params: bool, strategy: str) -> dict[str, object]:
     wrapped, reference = _wrap(use_orig_params)
-    gatherer_cls = FSDP1UnitGatherer if strategy == "unit" else FSDP1RootSummonGatherer
+    gatherer_cls = {"unit": FSDP1UnitGatherer, "root": FSDP1RootSummonGatherer, "flat": FSDP1FlatGatherer}[strategy]
     gatherer = gatherer_cls(wrapped)
     meter = MemoryMeter(torch.device("cpu"))
     meter.start()
@@ -82,7 +82,7 @@ def test_child_first_summon_breaks_first_forward(use_orig_params: bool) -> None:
         assert "Non-root FSDP instance's `_is_root` should not have been set yet" in message, message
 
 
-@pytest.mark.parametrize("strategy", ["unit", "root"])
+@pytest.mark.parametrize("strategy", ["unit", "root", "flat"])
 @pytest.mark.parametrize("use_orig_params", [True, False])
 def test_library_gather_before_first_forward_then_training_works(use_orig_params: bool, strategy: str) -> None:
     for rank_result in run_distributed(gather_then_train, use_orig_params, strategy):

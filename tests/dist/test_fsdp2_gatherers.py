@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from fsdp_sync.gather import FSDP2ParamGatherer, FSDP2UnitGatherer
+from fsdp_sync.gather import FSDP2FlatGatherer, FSDP2ParamGatherer, FSDP2UnitGatherer
 from fsdp_sync.memory import MemoryMeter
 from fsdp_sync.testing.dist import run_distributed
 
@@ -37,14 +37,18 @@ def _gather(gatherer: object) -> dict[str, torch.Tensor]:
     return out
 
 
-def gather_scenario(rank: int, world_size: int, strategy: str, shard_root: bool, mp_dtype: str | None, engine: str):
-    model = tiny_lm()
+def gather_scenario(
+    rank: int, world_size: int, strategy: str, shard_root: bool, mp_dtype: str | None, engine: str, vocab: int = 256
+):
+    model = tiny_lm(vocab=vocab)
     reference = full_reference(model)
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, mp_dtype)) if mp_dtype else None
     _shard(model, world_size, shard_root=shard_root, mp=mp)
     engine_dtype = getattr(torch, engine)
     if strategy == "unit":
         gatherer = FSDP2UnitGatherer(model, engine_dtype=engine_dtype)
+    elif strategy == "flat":
+        gatherer = FSDP2FlatGatherer(model, engine_dtype=engine_dtype)
     else:
         gatherer = FSDP2ParamGatherer(model)
     specs = gatherer.specs()
@@ -65,6 +69,7 @@ def gather_scenario(rank: int, world_size: int, strategy: str, shard_root: bool,
         "before_equal": {n: torch.equal(before[n].to(engine_dtype), reference[n].to(engine_dtype)) for n in before},
         "after_equal": {n: torch.equal(after[n].to(engine_dtype), trained[n].to(engine_dtype)) for n in after},
         "dtypes": sorted({str(t.dtype) for t in after.values()}),
+        "reference_dtypes": sorted({str(t.dtype) for t in reference.values()}),
         "spec_shapes_ok": all(tuple(specs[n].shape) == tuple(before[n].shape) for n in specs),
         "peak": peak,
         "model_bytes": sum(t.numel() * t.element_size() for t in reference.values()),
@@ -81,6 +86,10 @@ def gather_scenario(rank: int, world_size: int, strategy: str, shard_root: bool,
         ("param", False, None, "float32"),
         ("unit", True, "bfloat16", "bfloat16"),  # bf16 all-gather, bf16 engine: gathered in bf16
         ("unit", True, "bfloat16", "float32"),  # bf16 all-gather would lose bits: full_tensor() in fp32
+        ("flat", True, None, "float32"),
+        ("flat", True, None, "bfloat16"),  # shards cast to bf16 before the gather
+        ("flat", False, None, "bfloat16"),
+        ("flat", True, "bfloat16", "float32"),  # reads the fp32 shards, whatever the mixed-precision policy
     ],
 )
 def test_fsdp2_gather_equals_full_weights(strategy: str, shard_root: bool, mp_dtype: str | None, engine: str) -> None:
@@ -92,6 +101,17 @@ def test_fsdp2_gather_equals_full_weights(strategy: str, shard_root: bool, mp_dt
         assert all(r["after_equal"].values()), [n for n, ok in r["after_equal"].items() if not ok]
         if mp_dtype and engine == "float32":
             assert r["dtypes"] == ["torch.float32"], "a lossy bf16 gather was used for an fp32 engine"
+        if strategy == "flat" and shard_root:  # (plain tensors outside every unit pass through uncast)
+            assert r["dtypes"] == [f"torch.{engine}"], "flat gathers in the engine dtype"
         if strategy == "unit" and shard_root:
             assert 0 < r["peak"] <= r["largest_unit_bytes"] * (2 if mp_dtype else 1), r
             assert r["peak"] < r["model_bytes"]
+
+
+@pytest.mark.parametrize("strategy", ["flat", "unit", "param"])
+def test_fsdp2_uneven_shards(strategy: str) -> None:
+    """A vocabulary not divisible by the world size: FSDP2 pads the last shard; the full tensors are exact."""
+    for r in run_distributed(gather_scenario, strategy, True, None, "bfloat16", 257):
+        assert sorted(r["yield_names"]) == r["reference_names"]
+        assert all(r["before_equal"].values()), [n for n, ok in r["before_equal"].items() if not ok]
+        assert all(r["after_equal"].values()), [n for n, ok in r["after_equal"].items() if not ok]

@@ -17,8 +17,8 @@ from compat.names import NameRules, canonical_name
 from fsdp_sync.peft_merge import PeftMerge, UnsupportedAdapterError
 from fsdp_sync.testing.models import build_tiny_checkpoint
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
 
 LAYERS = 2  # the qwen2 tiny spec
 QV_WEIGHTS = frozenset(f"model.layers.{i}.self_attn.{p}.weight" for i in range(LAYERS) for p in ("q_proj", "v_proj"))
@@ -248,11 +248,6 @@ def test_tuner_layer_type_is_peft_base_tuner_layer() -> None:
 # --- known bugs ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: apply() rounds the fp32 LoRA delta to the bf16 base dtype before adding (`delta.to(merged.dtype)`); "
-    "PEFT's merge adds the fp32 delta in place (one rounding), so about 30% of elements differ by one ulp",
-)
 def test_bf16_base_with_fp32_adapter_equals_peft_merge(qwen2_dir: Path) -> None:
     """With a bf16 base model (PEFT keeps LoRA weights in fp32 by default), apply() equals PEFT's merge bit for bit."""
     model = _lora(qwen2_dir, dtype=torch.bfloat16, lora_b_std=0.3)
@@ -265,11 +260,6 @@ def test_bf16_base_with_fp32_adapter_equals_peft_merge(qwen2_dir: Path) -> None:
         assert torch.equal(merge.apply(name, bases[name]), reference[name]), name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: LoRA with lora_bias=True: PEFT's merge also adds lora_B.bias * scaling to the base bias; PeftMerge "
-    "neither merges the bias nor rejects the adapter, so the engine silently keeps the unmerged q/v biases",
-)
 def test_lora_bias_is_merged_or_rejected(qwen2_dir: Path) -> None:
     """A LoRA adapter with a trained bias (`lora_bias=True`) either has its bias merged like PEFT, or is rejected."""
     model = _lora(qwen2_dir, lora_bias=True)

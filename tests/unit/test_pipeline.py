@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from compat.layout import IdentityLayout
 from compat.manifest import EngineManifest, ManifestError, PlannedTensor, TensorSpec
-from compat.names import NameRules
+from compat.names import NameRules, canonical_name
 from fsdp_sync.distributed import all_ranks_ok
 from fsdp_sync.memory import MemoryMeter
 from fsdp_sync.pipeline import IncompleteSyncError, SyncPlan, WeightSync, build_plan
@@ -122,8 +122,6 @@ class FakeWriter:
 def _manifest_for(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> EngineManifest:
     """What an engine started from these tensors' checkpoint accepts (the value head is not part of it)."""
     rules = NameRules()
-    from compat.names import canonical_name
-
     specs: dict[str, TensorSpec] = {}
     for name, t in tensors.items():
         mapped = canonical_name(name, rules)
@@ -331,6 +329,16 @@ def test_writer_stopping_early_raises() -> None:
     with pytest.raises(IncompleteSyncError, match="fake:writer"):
         WeightSync(FakeGatherer(tensors), writer).sync()
     assert writer.calls["finish"] == 0
+
+
+def test_writer_stopping_early_still_drains_the_gather() -> None:
+    """After a writer stops early, the gather still runs to its end before the error, so no rank is left waiting."""
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    writer = FakeWriter(_manifest_for(tensors), stop_after=1)
+    with pytest.raises(IncompleteSyncError):
+        WeightSync(gatherer, writer).sync()
+    assert gatherer.exhausted == 1
 
 
 def test_writer_taking_exactly_the_planned_count_succeeds() -> None:

@@ -1,0 +1,253 @@
+"""Flat gatherers: one all-gather per FSDP unit of the *local shards cast to the engine dtype*, the next unit's
+all-gather in flight while the current one is pushed.
+
+Why: on the measured CPU setup the all-gather dominates a sync (fp32 gather of the 36M model: 180 ms; the same
+bytes in bf16: 71 ms). Casting is elementwise, so casting each shard before the gather gives bit-identical full
+tensors to casting after it, while every rank casts only its own shard and the wire carries engine-dtype bytes.
+Both backends' own unshard paths gather in the parameter dtype (FSDP2 in its mixed-precision `param_dtype`), so
+these gatherers run the collective themselves, on the unit's process group, reading FSDP's sharding metadata.
+
+Peak memory: two units in the engine dtype (the one being pushed and the one being gathered).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from compat.manifest import CASTABLE_DTYPES, TensorSpec
+
+from ..memory import MemoryMeter
+from .base import local_named_parameters, spec_of
+from .fsdp1 import _FSDP1Base
+from .fsdp2 import fsdp2_units
+
+__all__ = ["FSDP1FlatGatherer", "FSDP2FlatGatherer"]
+
+
+def _gather_dtype(dtype: torch.dtype, engine_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype on the wire: the engine's for castable floats (exact: the cast is elementwise), else its own."""
+    if engine_dtype is not None and dtype in CASTABLE_DTYPES and engine_dtype in CASTABLE_DTYPES:
+        return engine_dtype
+    return dtype
+
+
+@dataclass
+class _InFlight:
+    """One visit's all-gather: the output buffer and the handle to wait on."""
+
+    work: dist.Work | None
+    out: torch.Tensor
+    extra: object = None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.out
+
+
+def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> _InFlight:
+    """Start an async all-gather of a 1-D tensor (equal size on every rank) into a new buffer."""
+    out = torch.empty(local.numel() * world, dtype=local.dtype, device=local.device)
+    if world == 1:
+        out.copy_(local)
+        return _InFlight(None, out)
+    work = dist.all_gather_into_tensor(out, local.contiguous(), group=group, async_op=True)
+    return _InFlight(work, out)
+
+
+def _pipelined(n: int, start, finish) -> Iterator[tuple[str, torch.Tensor]]:
+    """Run `start(k)` for visit k+1 before yielding visit k's tensors from `finish(k, started)`."""
+    pending = start(0) if n else None
+    for k in range(n):
+        following = start(k + 1) if k + 1 < n else None
+        yield from finish(k, pending)
+        pending = following
+
+
+class FSDP1FlatGatherer(_FSDP1Base):
+    """FSDP1: all-gather each unit's local flat-parameter shard, cast to the engine dtype, and unflatten it.
+
+    NOTE: reads FSDP1's flat-parameter handle (`_handle.flat_param`, its process group and `_get_unflat_views`), the
+    same metadata `summon_full_params` uses; FSDP1 is frozen (torch 2.0-2.13). Units nested in PEFT tuner layers
+    need module-level full views for the merge, so PEFT models use the per-unit summon strategy instead.
+    """
+
+    strategy = "fsdp1-flat"
+    tensors_outlive_step = True  # each unit's views keep their own freshly allocated buffer alive
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        engine_dtype: torch.dtype | None = None,
+        compute_device: torch.device | None = None,
+    ) -> None:
+        super().__init__(model)
+        self.engine_dtype = engine_dtype
+        self.compute_device = compute_device
+        self._units = [visit[0] for visit in self._visits]  # no companions without merge scopes
+
+    def _start(self, k: int) -> _InFlight:
+        unit, params = self._units[k]
+        handle = unit._handle
+        if handle is None or not params:
+            return _InFlight(None, torch.empty(0))
+        flat = handle.flat_param.detach()
+        if self.compute_device is not None:
+            flat = flat.to(self.compute_device)
+        local = flat.to(_gather_dtype(flat.dtype, self.engine_dtype))
+        world = dist.get_world_size(handle.process_group) if handle.uses_sharded_strategy else 1
+        started = _all_gather(local, handle.process_group, world)
+        started.extra = handle
+        return started
+
+    def _finish(self, k: int, pending: _InFlight) -> Iterator[tuple[str, torch.Tensor]]:
+        unit, params = self._units[k]
+        if not params:
+            return
+        full = pending.wait()
+        handle = pending.extra
+        numel = handle.flat_param._unpadded_unsharded_size.numel()
+        views = handle._get_unflat_views(full[:numel])
+        for (name, _, _), view in zip(params, views, strict=True):
+            yield name, view
+
+    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+        def start(k: int) -> _InFlight:
+            pending = self._start(k)
+            meter.hold_until_freed(pending.out)
+            return pending
+
+        yield from _pipelined(len(self._units), start, self._finish)
+        yield from self._iter_ignored()
+
+
+@dataclass(frozen=True)
+class _Slot:
+    name: str
+    offset: int  # elements into the per-rank input of its dtype group
+    rows: int  # rows per rank (ceil of dim 0 over the world size)
+    shape: tuple[int, ...]
+
+
+class FSDP2FlatGatherer:
+    """FSDP2: one all-gather per unit (and dtype) of its parameters' local shards, cast to the engine dtype.
+
+    FSDP2 shards dim 0 like `torch.chunk`: every rank holds at most `ceil(d0 / world)` rows; each parameter gets that
+    many rows of slot per rank, so one `all_gather_into_tensor` returns every shard and a strided copy per parameter
+    rebuilds it. Parameters that are not `Shard(0)` DTensors on a 1-D mesh (plain tensors, other layouts) are
+    materialised one by one, as in the per-parameter strategy.
+    """
+
+    strategy = "fsdp2-flat"
+    tensors_outlive_step = True  # every full tensor is a fresh allocation or a view of its unit's fresh buffer
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        engine_dtype: torch.dtype | None = None,
+        compute_device: torch.device | None = None,
+    ) -> None:
+        self.model = model
+        self.engine_dtype = engine_dtype
+        self.compute_device = compute_device
+        planned = dict(model.named_parameters())
+        units = fsdp2_units(model)
+        if not units:
+            raise ValueError(f"{type(model).__name__} contains no FSDP2 (fully_shard) unit")
+        visits = ([] if isinstance(model, FSDPModule) else [("", model)]) + units
+        emitted: set[str] = set()
+        # Per visit: the names in yield order, and the flat groups {dtype: (slots, per-rank numel)}.
+        self._visits: list[tuple[list[str], dict[torch.dtype, tuple[list[_Slot], int]], object]] = []
+        for path, unit in visits:
+            names = [n for n, _ in local_named_parameters(unit, path, FSDPModule) if n in planned and n not in emitted]
+            emitted.update(names)
+            groups: dict[torch.dtype, tuple[list[_Slot], int]] = {}
+            mesh = None
+            for name in names:
+                param = planned[name]
+                if not _flat_gatherable(param):
+                    continue
+                mesh = param.device_mesh
+                world = mesh.size()
+                rows = math.ceil(param.shape[0] / world)
+                dtype = _gather_dtype(param.dtype, engine_dtype)
+                slots, size = groups.get(dtype, ([], 0))
+                slots.append(_Slot(name, size, rows, tuple(param.shape)))
+                groups[dtype] = (slots, size + rows * math.prod(param.shape[1:]))
+            self._visits.append((names, groups, mesh))
+        self._specs = {n: spec_of(planned[n]) for names, _, _ in self._visits for n in names}
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return dict(self._specs)
+
+    def _start(self, k: int) -> dict[torch.dtype, _InFlight]:
+        _, groups, mesh = self._visits[k]
+        started: dict[torch.dtype, _InFlight] = {}
+        for dtype, (slots, size) in groups.items():
+            local = self._pack(slots, size, dtype)
+            started[dtype] = _all_gather(local, mesh.get_group(), mesh.size())
+        return started
+
+    @torch.no_grad()
+    def _pack(self, slots: list[_Slot], size: int, dtype: torch.dtype) -> torch.Tensor:
+        device = self.compute_device or self.model.get_parameter(slots[0].name).to_local().device
+        buf = torch.empty(size, dtype=dtype, device=device)
+        for slot in slots:
+            # Detached: a buffer that required grad would make the collective's in-place writes illegal.
+            local = self.model.get_parameter(slot.name).to_local().detach()
+            numel = local.numel()
+            if numel:
+                # NOTE: copy_ casts; rows beyond this rank's shard stay unset and are never read back.
+                buf[slot.offset : slot.offset + numel].copy_(local.reshape(-1))
+        return buf
+
+    def _finish(self, k: int, pending: dict[torch.dtype, _InFlight]) -> Iterator[tuple[str, torch.Tensor]]:
+        names, groups, mesh = self._visits[k]
+        full: dict[str, torch.Tensor] = {}
+        for dtype, (slots, size) in groups.items():
+            out = pending[dtype].wait().view(mesh.size(), size)
+            for slot in slots:
+                row = math.prod(slot.shape[1:])
+                block = out[:, slot.offset : slot.offset + slot.rows * row]
+                # [world, rows, ...] -> [world * rows, ...] (a copy unless world == 1) -> the first d0 rows.
+                tensor = block.reshape(mesh.size() * slot.rows, *slot.shape[1:])[: slot.shape[0]]
+                full[slot.name] = tensor
+        for name in names:
+            if name in full:
+                yield name, full.pop(name)
+            else:
+                param = self.model.get_parameter(name)
+                if isinstance(param, DTensor):
+                    if self.compute_device is not None:
+                        param = param.to(self.compute_device)
+                    yield name, param.full_tensor()
+                else:
+                    yield name, param.detach()
+
+    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+        def start(k: int) -> dict[torch.dtype, _InFlight]:
+            started = self._start(k)
+            for pending in started.values():
+                meter.hold_until_freed(pending.out)
+            return started
+
+        yield from _pipelined(len(self._visits), start, self._finish)
+
+
+def _flat_gatherable(param: torch.Tensor) -> bool:
+    return (
+        isinstance(param, DTensor)
+        and param.device_mesh.ndim == 1
+        and tuple(param.placements) == (Shard(0),)
+        and param.ndim >= 1
+    )
