@@ -63,11 +63,13 @@ def _gpu(args: argparse.Namespace) -> None:
     from .gpu import gpu_worker
 
     world = args.world_size or torch.cuda.device_count()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"  # gloo: smoke test of the code on CPU ranks
     rows: list[dict] = []
     for name in args.models.split(","):
-        for rank_rows in run_distributed(gpu_worker, name, args.reps, args.check, world_size=world, backend="nccl"):
+        for rank_rows in run_distributed(gpu_worker, name, args.reps, args.check, world_size=world, backend=backend):
             rows.extend(rank_rows)
-    machine = f"{world}x {torch.cuda.get_device_name(0)}, NCCL, torch {torch.__version__}"
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (smoke test)"
+    machine = f"{world}x {device}, {backend}, torch {torch.__version__}"
     _write("gpu" if world == 1 else f"gpu{world}", rows, args.results, machine)
 
 

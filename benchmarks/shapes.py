@@ -22,6 +22,11 @@ GPU_SHAPES: dict[str, TinySpec] = {
         family="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
         num_key_value_heads=2, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
     ),
+    # A small shape to smoke-test the GPU benchmark's code on CPU ranks.
+    "qwen2-smoke": TinySpec(
+        family="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=1000, tie_word_embeddings=False,
+    ),
     "qwen2-7b": TinySpec(
         family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
         num_key_value_heads=4, head_dim=128, vocab_size=152064, tie_word_embeddings=False,

@@ -43,6 +43,7 @@ def spec_of(param: torch.Tensor) -> TensorSpec:
     return TensorSpec(tuple(param.shape), param.dtype)
 
 
+@torch.no_grad()
 def materialize(param: torch.Tensor) -> torch.Tensor:
     """The full value of a parameter: DTensors are all-gathered, plain tensors pass through untouched."""
     if isinstance(param, DTensor):

@@ -27,9 +27,11 @@ from compat.manifest import CASTABLE_DTYPES, TensorSpec
 from ..memory import MemoryMeter
 from .base import local_named_parameters, spec_of
 from .fsdp1 import _FSDP1Base
-from .fsdp2 import fsdp2_units
+from .fsdp2 import _full_tensor, fsdp2_units
 
 __all__ = ["FSDP1FlatGatherer", "FSDP2FlatGatherer"]
+
+_NO_METER = MemoryMeter(torch.device("cpu"))  # for the rare parameters outside the flat gather (not accounted)
 
 
 def _gather_dtype(dtype: torch.dtype, engine_dtype: torch.dtype | None) -> torch.dtype:
@@ -54,11 +56,13 @@ class _InFlight:
 
 
 def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> _InFlight:
-    """Start an async all-gather of a 1-D tensor (equal size on every rank) into a new buffer."""
-    out = torch.empty(local.numel() * world, dtype=local.dtype, device=local.device)
+    """Start an async all-gather of a 1-D tensor (equal size on every rank) into a new buffer.
+
+    With one rank the shard is the full tensor: it is returned as is (no collective, no copy).
+    """
     if world == 1:
-        out.copy_(local)
-        return _InFlight(None, out)
+        return _InFlight(None, local)
+    out = torch.empty(local.numel() * world, dtype=local.dtype, device=local.device)
     work = dist.all_gather_into_tensor(out, local.contiguous(), group=group, async_op=True)
     return _InFlight(work, out)
 
@@ -123,7 +127,8 @@ class FSDP1FlatGatherer(_FSDP1Base):
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
         def start(k: int) -> _InFlight:
             pending = self._start(k)
-            meter.hold_until_freed(pending.out)
+            if pending.work is not None:  # a new buffer (with one rank the shard itself is used)
+                meter.hold_until_freed(pending.out)
             return pending
 
         yield from _pipelined(len(self._units), start, self._finish)
@@ -193,6 +198,8 @@ class FSDP2FlatGatherer:
     def _start(self, k: int) -> dict[torch.dtype, _InFlight]:
         _, groups, mesh = self._visits[k]
         started: dict[torch.dtype, _InFlight] = {}
+        if mesh is None or mesh.size() == 1:  # nothing to gather: `_finish` reads the local (full) shards
+            return started
         for dtype, (slots, size) in groups.items():
             local = self._pack(slots, size, dtype)
             started[dtype] = _all_gather(local, mesh.get_group(), mesh.size())
@@ -214,31 +221,30 @@ class FSDP2FlatGatherer:
     def _finish(self, k: int, pending: dict[torch.dtype, _InFlight]) -> Iterator[tuple[str, torch.Tensor]]:
         names, groups, mesh = self._visits[k]
         full: dict[str, torch.Tensor] = {}
-        for dtype, (slots, size) in groups.items():
-            out = pending[dtype].wait().view(mesh.size(), size)
+        if mesh is not None and mesh.size() == 1:  # the local shards are the full tensors
+            for dtype, (slots, _) in groups.items():
+                for slot in slots:
+                    full[slot.name] = self.model.get_parameter(slot.name).to_local().detach().to(dtype)
+        for dtype, in_flight in pending.items():
+            slots, size = groups[dtype]
+            out = in_flight.wait().view(mesh.size(), size)
             for slot in slots:
                 row = math.prod(slot.shape[1:])
                 block = out[:, slot.offset : slot.offset + slot.rows * row]
-                # [world, rows, ...] -> [world * rows, ...] (a copy unless world == 1) -> the first d0 rows.
+                # [world, rows, ...] -> [world * rows, ...] (a copy) -> the first d0 rows.
                 tensor = block.reshape(mesh.size() * slot.rows, *slot.shape[1:])[: slot.shape[0]]
                 full[slot.name] = tensor
         for name in names:
             if name in full:
                 yield name, full.pop(name)
             else:
-                param = self.model.get_parameter(name)
-                if isinstance(param, DTensor):
-                    if self.compute_device is not None:
-                        param = param.to(self.compute_device)
-                    yield name, param.full_tensor()
-                else:
-                    yield name, param.detach()
+                yield name, _full_tensor(self.model.get_parameter(name), self.compute_device, _NO_METER)
 
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
         def start(k: int) -> dict[torch.dtype, _InFlight]:
             started = self._start(k)
             for pending in started.values():
-                meter.hold_until_freed(pending.out)
+                meter.hold_until_freed(pending.out)  # always a new buffer: one rank never reaches the gather
             return started
 
         yield from _pipelined(len(self._visits), start, self._finish)

@@ -43,6 +43,7 @@ def _unshard_dtype(unit: nn.Module) -> torch.dtype | None:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
+@torch.no_grad()
 def _full_tensor(param: torch.Tensor, compute_device: torch.device | None, meter: MemoryMeter) -> torch.Tensor:
     """All-gather one DTensor (its shard moved to `compute_device` first, if given); plain tensors pass through."""
     if not isinstance(param, DTensor):

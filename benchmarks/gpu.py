@@ -1,0 +1,107 @@
+"""GPU benchmark: FSDP1/FSDP2 over NCCL, bf16 1.5B- and 7B-shaped Qwen2 models, pushing into engine-layout buffers.
+
+Runs on any number of GPUs (one process each). Per model and backend: TRL 1.16's path (its own gather code, one
+engine copy per tensor), each of our strategies, and the floor: one flat device-to-device copy of the same bytes,
+measured in the same run. With `check`, every method's result is compared bit for bit with the full weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .common import Measurement, measure, wrap_fsdp
+
+OURS = {"fsdp1": ["flat", "unit", "root"], "fsdp2": ["flat", "unit", "param"]}
+
+
+def _config(backend: str, strategy: str):
+    from fsdp_sync.config import SyncConfig
+
+    return SyncConfig(fsdp1_strategy=strategy) if backend == "fsdp1" else SyncConfig(fsdp2_strategy=strategy)
+
+
+def _build(model_name: str, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_sync.testing.models import config_for
+
+    from .shapes import GPU_SHAPES
+
+    torch.manual_seed(0)  # same weights on every rank
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config_for(GPU_SHAPES[model_name]), dtype=torch.bfloat16)
+
+
+def gpu_worker(rank: int, world_size: int, model_name: str, reps: int, check: bool) -> list[dict[str, Any]]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from compat.layout import IdentityLayout
+    from compat.names import NameRules, canonical_name
+    from fsdp_sync.backend import detect_backend
+    from fsdp_sync.gather import make_gatherer
+    from fsdp_sync.pipeline import WeightSync, build_plan
+
+    from .buffers import FusedBuffersWriter
+    from .trl_path import trl_sync
+
+    # (CPU only for a smoke test of this code with gloo; figures are from GPUs.)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    rows: list[dict[str, Any]] = []
+    for backend in ("fsdp1", "fsdp2"):
+        model = _build(model_name, device)
+        held_by_trl = model
+        wrapped = wrap_fsdp(model, backend, device)
+        detected = detect_backend(wrapped)
+        gatherers = {s: make_gatherer(wrapped, detected, _config(backend, s), engine_dtype=torch.bfloat16,
+                                      compute_device=device) for s in OURS[backend]}
+        plan = build_plan(gatherers[OURS[backend][0]], NameRules(), IdentityLayout())
+        writer = FusedBuffersWriter({t.name: t.spec for t in plan.tensors}, dtype=torch.bfloat16, device=device)
+        syncs = {s: WeightSync(g, writer, backend=backend, device=device) for s, g in gatherers.items()}
+        expected = None
+        if check:
+            full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
+            expected = {canonical_name(k): v for k, v in full.items() if canonical_name(k) in writer.slots}
+            assert len(expected) == len(writer.slots), "the reference must cover every engine block"
+        flat_src = torch.empty(writer.nbytes, dtype=torch.uint8, device=device)
+        flat_dst = torch.empty_like(flat_src)
+
+        def run_floor() -> tuple[int, int]:
+            flat_dst.copy_(flat_src)
+            return 1, writer.nbytes
+
+        def run_trl() -> tuple[int, int]:
+            return trl_sync(held_by_trl, backend, writer.write, device)
+
+        def run_ours(strategy: str) -> tuple[int, int]:
+            report = syncs[strategy].sync()
+            return report.tensors, report.bytes
+
+        methods = {"trl": run_trl, "floor": run_floor}
+        methods.update({f"ours-{s}": (lambda s=s: run_ours(s)) for s in OURS[backend]})
+        for method in methods:  # warm-up (allocator, NCCL communicators), not measured
+            methods[method]()
+        for rep in range(reps):
+            order = list(methods)
+            order = order[rep % len(order):] + order[: rep % len(order)]
+            for method in order:
+                if expected is not None:
+                    for buffer in writer.buffers.values():
+                        buffer.zero_()
+                seconds, tensors, nbytes, peak, source = measure(methods[method], device)
+                row = Measurement(model_name, backend, method, rep, seconds, tensors, nbytes, peak, source,
+                                  world_size, rank).row()
+                if expected is not None and method != "floor":
+                    bad = writer.mismatches(expected)
+                    row["mismatches"] = len(bad)
+                    row["mismatch_names"] = bad[:8]
+                rows.append(row)
+        for strategy, sync in syncs.items():
+            rows.append({"model": model_name, "backend": backend, "method": f"ours-{strategy}",
+                         "accounted_peak_bytes": sync.meter.accounted_peak_bytes, "rank": rank})
+        del wrapped, model, held_by_trl, syncs, gatherers, writer, flat_src, flat_dst, expected
+        torch.cuda.empty_cache()
+        dist.barrier()
+    return rows
