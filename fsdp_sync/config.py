@@ -15,21 +15,24 @@ class SyncConfig:
     """How weights are gathered and pushed.
 
     Attributes:
-        fsdp1_strategy: `"unit"`: one FSDP unit full at a time (`summon_full_params(unit, recurse=False)`, parents
-            first); peak memory is the largest unit. `"root"`: one `summon_full_params(root, recurse=True)`; peak
-            memory is the whole model on every rank. `"flat"`: one all-gather per unit of its flat shard, cast to the
-            engine dtype first, the next unit's gather overlapping the current push; peak two units in the engine
-            dtype.
-        fsdp2_strategy: `"unit"`: one grouped all-gather per FSDP unit (`unshard()`); `"param"`: one
-            `full_tensor()` per parameter; `"flat"`: as FSDP1's, from the units' local shards.
-        PEFT models use `"unit"` where `"flat"` is configured (the adapter merge needs the modules' full views).
+        fsdp1_strategy: `"flat"` (default; fastest measured on CPU and GPU, see README "Benchmarks"): one all-gather
+            per FSDP unit of its flat shard cast to the engine dtype, the next unit's gather overlapping the current
+            push. `"unit"`: `summon_full_params(unit, recurse=False)` one unit at a time, parents first; peak memory
+            one unit. `"root"`: one `summon_full_params(root, recurse=True)`; peak memory the whole model, on every
+            rank.
+        fsdp2_strategy: `"flat"` (default), as FSDP1's from the units' local shards; `"unit"`: `unshard()` one unit
+            at a time; `"param"`: one `full_tensor()` per parameter.
+            PEFT models use `"unit"` where `"flat"` is configured: the adapter merge needs the modules' full views.
+        prefetch_bytes: the bucket of the flat strategy: the next unit is gathered during the current push when its
+            gathered size is at most this, so peak memory stays within the largest unit plus this (0: no overlap).
         check_manifest: check names, shapes and dtypes against the engine's checkpoint before the first push.
         checkpoint_dir: the checkpoint the engine was started from, when it is not the engine's model path.
         log_metrics: add the sync figures to the trainer's logged metrics.
     """
 
-    fsdp1_strategy: str = "unit"
-    fsdp2_strategy: str = "unit"
+    fsdp1_strategy: str = "flat"
+    fsdp2_strategy: str = "flat"
+    prefetch_bytes: int = 2**30
     check_manifest: bool = True
     checkpoint_dir: str | None = None
     log_metrics: bool = True
@@ -37,5 +40,7 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if self.fsdp1_strategy not in _FSDP1:
             raise ValueError(f"fsdp1_strategy={self.fsdp1_strategy!r}; valid: {list(_FSDP1)}")
+        if self.prefetch_bytes < 0:
+            raise ValueError(f"prefetch_bytes={self.prefetch_bytes}; must be >= 0 (0 disables the overlap)")
         if self.fsdp2_strategy not in _FSDP2:
             raise ValueError(f"fsdp2_strategy={self.fsdp2_strategy!r}; valid: {list(_FSDP2)}")

@@ -58,7 +58,9 @@ def make_gatherer(
         case Backend.FSDP1, "root":
             return FSDP1RootSummonGatherer(inner)
         case Backend.FSDP1, "flat":
-            return FSDP1FlatGatherer(inner, engine_dtype=engine_dtype, compute_device=compute_device)
+            return FSDP1FlatGatherer(
+                inner, engine_dtype=engine_dtype, compute_device=compute_device, prefetch_bytes=config.prefetch_bytes
+            )
         case Backend.FSDP2, "unit":
             return FSDP2UnitGatherer(
                 inner, engine_dtype=engine_dtype, compute_device=compute_device, merge_scopes=merge_scopes
@@ -66,7 +68,9 @@ def make_gatherer(
         case Backend.FSDP2, "param":
             return FSDP2ParamGatherer(inner, compute_device=compute_device)
         case Backend.FSDP2, "flat":
-            return FSDP2FlatGatherer(inner, engine_dtype=engine_dtype, compute_device=compute_device)
+            return FSDP2FlatGatherer(
+                inner, engine_dtype=engine_dtype, compute_device=compute_device, prefetch_bytes=config.prefetch_bytes
+            )
         case (Backend.DDP | Backend.PLAIN), _:
             return PlainGatherer(inner)
         case _:

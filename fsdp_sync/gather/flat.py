@@ -7,13 +7,14 @@ tensors to casting after it, while every rank casts only its own shard and the w
 Both backends' own unshard paths gather in the parameter dtype (FSDP2 in its mixed-precision `param_dtype`), so
 these gatherers run the collective themselves, on the unit's process group, reading FSDP's sharding metadata.
 
-Peak memory: two units in the engine dtype (the one being pushed and the one being gathered).
+Peak memory: the unit being pushed plus the next one being gathered, when that one is no larger than the configured
+`prefetch_bytes` (the "bucket"); larger units are gathered after the push of the previous one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -67,13 +68,19 @@ def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, world: int
     return _InFlight(work, out)
 
 
-def _pipelined(n: int, start, finish) -> Iterator[tuple[str, torch.Tensor]]:
-    """Run `start(k)` for visit k+1 before yielding visit k's tensors from `finish(k, started)`."""
+def _pipelined(
+    n: int, start: Callable[[int], object], finish: Callable[[int, object], Iterator], sizes: list[int], limit: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield visit k's tensors from `finish(k, start(k))`, starting visit k+1's gather before that when it fits in
+    `limit` bytes (so at most one unit plus `limit` bytes are gathered at once)."""
     pending = start(0) if n else None
     for k in range(n):
-        following = start(k + 1) if k + 1 < n else None
+        early = k + 1 < n and sizes[k + 1] <= limit
+        following = start(k + 1) if early else None
         yield from finish(k, pending)
-        pending = following
+        pending = None  # release visit k's buffer before a late start allocates the next one
+        if k + 1 < n:
+            pending = following if early else start(k + 1)
 
 
 class FSDP1FlatGatherer(_FSDP1Base):
@@ -93,11 +100,17 @@ class FSDP1FlatGatherer(_FSDP1Base):
         *,
         engine_dtype: torch.dtype | None = None,
         compute_device: torch.device | None = None,
+        prefetch_bytes: int = 2**30,
     ) -> None:
         super().__init__(model)
         self.engine_dtype = engine_dtype
         self.compute_device = compute_device
+        self.prefetch_bytes = prefetch_bytes
         self._units = [visit[0] for visit in self._visits]  # no companions without merge scopes
+        self._sizes = [
+            sum(spec.numel * _gather_dtype(spec.dtype, engine_dtype).itemsize for _, _, spec in params)
+            for _, params in self._units
+        ]
 
     def _start(self, k: int) -> _InFlight:
         unit, params = self._units[k]
@@ -131,7 +144,7 @@ class FSDP1FlatGatherer(_FSDP1Base):
                 meter.hold_until_freed(pending.out)
             return pending
 
-        yield from _pipelined(len(self._units), start, self._finish)
+        yield from _pipelined(len(self._units), start, self._finish, self._sizes, self.prefetch_bytes)
         yield from self._iter_ignored()
 
 
@@ -161,10 +174,12 @@ class FSDP2FlatGatherer:
         *,
         engine_dtype: torch.dtype | None = None,
         compute_device: torch.device | None = None,
+        prefetch_bytes: int = 2**30,
     ) -> None:
         self.model = model
         self.engine_dtype = engine_dtype
         self.compute_device = compute_device
+        self.prefetch_bytes = prefetch_bytes
         planned = dict(model.named_parameters())
         units = fsdp2_units(model)
         if not units:
@@ -191,6 +206,10 @@ class FSDP2FlatGatherer:
                 groups[dtype] = (slots, size + rows * math.prod(param.shape[1:]))
             self._visits.append((names, groups, mesh))
         self._specs = {n: spec_of(planned[n]) for names, _, _ in self._visits for n in names}
+        self._sizes = [
+            sum(size * mesh.size() * dtype.itemsize for dtype, (_, size) in groups.items())
+            for _, groups, mesh in self._visits
+        ]
 
     def specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
@@ -247,7 +266,7 @@ class FSDP2FlatGatherer:
                 meter.hold_until_freed(pending.out)  # always a new buffer: one rank never reaches the gather
             return started
 
-        yield from _pipelined(len(self._visits), start, self._finish)
+        yield from _pipelined(len(self._visits), start, self._finish, self._sizes, self.prefetch_bytes)
 
 
 def _flat_gatherable(param: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from compat.manifest import TensorSpec
+from compat.torch_api import fsdp2_param_groups
 
 from ..memory import MemoryMeter
 from .base import group_units, local_named_parameters, materialize, spec_of
@@ -36,10 +37,9 @@ def _unshard_exact(unit: nn.Module, engine_dtype: torch.dtype | None) -> bool:
 def _unshard_dtype(unit: nn.Module) -> torch.dtype | None:
     """The dtype `unshard()` all-gathers in (`MixedPrecisionPolicy.param_dtype`), or None for the parameter dtype.
 
-    NOTE: FSDP2 exposes no public getter for a unit's policy; the param groups hold it (torch 2.4 to 2.13).
+    NOTE: FSDP2 exposes no public getter for a unit's policy; its parameter groups hold it (see compat.torch_api).
     """
-    groups = unit._get_fsdp_state()._fsdp_param_groups  # type: ignore[attr-defined]
-    dtypes = {g.mp_policy.param_dtype for g in groups} - {None}
+    dtypes = {g.mp_policy.param_dtype for g in fsdp2_param_groups(unit)} - {None}
     return dtypes.pop() if len(dtypes) == 1 else None
 
 

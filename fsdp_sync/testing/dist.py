@@ -38,6 +38,9 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable[...
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         result: Any = ("ok", fn(rank, world_size, *args))
+        # NOTE: a rank that tears its connections down while a peer still receives its last bytes makes the peer
+        # abort (gloo: "Connection closed by peer"); leave together.
+        dist.barrier()
     except BaseException as e:  # reported to the parent with the traceback
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     finally:

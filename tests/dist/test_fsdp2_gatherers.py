@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdp_sync.gather import FSDP2FlatGatherer, FSDP2ParamGatherer, FSDP2UnitGatherer
+from fsdp_sync.gather.base import local_named_parameters
 from fsdp_sync.memory import MemoryMeter
 from fsdp_sync.testing.dist import run_distributed
 
@@ -115,3 +116,29 @@ def test_fsdp2_uneven_shards(strategy: str) -> None:
         assert sorted(r["yield_names"]) == r["reference_names"]
         assert all(r["before_equal"].values()), [n for n, ok in r["before_equal"].items() if not ok]
         assert all(r["after_equal"].values()), [n for n, ok in r["after_equal"].items() if not ok]
+
+
+def prefetch_scenario(rank: int, world_size: int, prefetch_bytes: int) -> dict[str, int]:
+    model = tiny_lm()
+    _shard(model, world_size, shard_root=True, mp=None)
+    gatherer = FSDP2FlatGatherer(model, engine_dtype=torch.bfloat16, prefetch_bytes=prefetch_bytes)
+    meter = MemoryMeter(torch.device("cpu"))
+    meter.start()
+    for _ in gatherer.iter_full(meter):  # tensors dropped at once, as a writer that copies them would
+        pass
+    unit_bytes = sorted(  # each unit's own parameters, in bf16 (tied weights once)
+        sum({id(p): p.numel() * 2 for _, p in local_named_parameters(m, "", FSDPModule)}.values())
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+    )
+    return {"peak": meter.accounted_peak_bytes, "largest": unit_bytes[-1], "two_largest": sum(unit_bytes[-2:])}
+
+
+@pytest.mark.parametrize("prefetch_bytes", [0, 2**30])
+def test_fsdp2_flat_peak_is_bounded_by_prefetch(prefetch_bytes: int) -> None:
+    """Peak gathered bytes: one unit without prefetch; at most the largest unit plus the bucket with it."""
+    for r in run_distributed(prefetch_scenario, prefetch_bytes):
+        if prefetch_bytes == 0:
+            assert 0 < r["peak"] <= r["largest"], r
+        else:
+            assert r["largest"] < r["peak"] <= r["two_largest"], r

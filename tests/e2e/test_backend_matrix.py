@@ -18,7 +18,9 @@ pytestmark = pytest.mark.e2e
 def test_grpo_backend_matrix(backend: str, checkpoints, tmp_path) -> None:
     model_dir = checkpoints("qwen2")
     result = run_grpo(model_dir, tmp_path, backend)
-    assert_synced_every_time(result, backend, tensors=checkpoint_tensor_count(model_dir))
+    ranks = assert_synced_every_time(result, backend, tensors=checkpoint_tensor_count(model_dir))
+    default = {"fsdp1": "fsdp1-flat", "fsdp2": "fsdp2-flat", "ddp": "plain"}[backend]
+    assert all(rep["strategy"] == default for r in ranks for rep in r["reports"])
 
 
 def test_grpo_single_process(checkpoints, tmp_path) -> None:
@@ -35,14 +37,15 @@ def test_fsdp1_flat_params_use_orig_params_false(checkpoints, tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "backend,strategy",
-    [("fsdp1", ["--fsdp1-strategy", "root"]), ("fsdp2", ["--fsdp2-strategy", "param"])],
-    ids=["fsdp1-root", "fsdp2-param"],
+    [("fsdp1", "unit"), ("fsdp1", "root"), ("fsdp2", "unit"), ("fsdp2", "param")],
+    ids=["fsdp1-unit", "fsdp1-root", "fsdp2-unit", "fsdp2-param"],
 )
-def test_alternative_strategies(backend: str, strategy: list[str], checkpoints, tmp_path) -> None:
+def test_alternative_strategies(backend: str, strategy: str, checkpoints, tmp_path) -> None:
+    """The non-default strategies, end to end (the matrix above runs the default, "flat")."""
     model_dir = checkpoints("qwen2")
-    ranks = assert_synced_every_time(run_grpo(model_dir, tmp_path, backend, *strategy), backend)
-    expected = {"fsdp1": "fsdp1-root", "fsdp2": "fsdp2-param"}[backend]
-    assert all(rep["strategy"] == expected for r in ranks for rep in r["reports"])
+    result = run_grpo(model_dir, tmp_path, backend, f"--{backend}-strategy", strategy)
+    ranks = assert_synced_every_time(result, backend, tensors=checkpoint_tensor_count(model_dir))
+    assert all(rep["strategy"] == f"{backend}-{strategy}" for r in ranks for rep in r["reports"])
 
 
 def test_rloo_trainer_fsdp2(checkpoints, tmp_path) -> None:
