@@ -151,22 +151,27 @@ class FSDP1FlatGatherer(_FSDP1Base):
 @dataclass(frozen=True)
 class _Slot:
     name: str
-    offset: int  # elements into the per-rank input of its dtype group
     rows: int  # rows per rank (ceil of dim 0 over the world size)
     shape: tuple[int, ...]
 
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
 
 class FSDP2FlatGatherer:
-    """FSDP2: one all-gather per unit (and dtype) of its parameters' local shards, cast to the engine dtype.
+    """FSDP2: each parameter's local shard, cast to the engine dtype, all-gathered straight into its full layout
+    (asynchronously, all of a unit's gathers in flight together, the next unit's started during the current push).
 
-    FSDP2 shards dim 0 like `torch.chunk`: every rank holds at most `ceil(d0 / world)` rows; each parameter gets that
-    many rows of slot per rank, so one `all_gather_into_tensor` returns every shard and a strided copy per parameter
-    rebuilds it. Parameters that are not `Shard(0)` DTensors on a 1-D mesh (plain tensors, other layouts) are
-    materialised one by one, as in the per-parameter strategy.
+    FSDP2 shards dim 0 like `torch.chunk`: every rank holds at most `ceil(d0 / world)` rows, the short chunks last.
+    Gathering `ceil(d0 / world)` rows from every rank (short shards padded) into a `world * ceil(d0 / world)`-row
+    block therefore lays the full parameter out in order: its first `d0` rows, with no copy afterwards. Parameters
+    that are not `Shard(0)` DTensors on a 1-D mesh (plain tensors, other layouts) are materialised one by one, as in
+    the per-parameter strategy.
     """
 
     strategy = "fsdp2-flat"
-    tensors_outlive_step = True  # every full tensor is a fresh allocation or a view of its unit's fresh buffer
+    tensors_outlive_step = True  # every full tensor is a view of its unit's fresh buffer (or a fresh tensor)
 
     def __init__(
         self,
@@ -186,7 +191,7 @@ class FSDP2FlatGatherer:
             raise ValueError(f"{type(model).__name__} contains no FSDP2 (fully_shard) unit")
         visits = ([] if isinstance(model, FSDPModule) else [("", model)]) + units
         emitted: set[str] = set()
-        # Per visit: the names in yield order, and the flat groups {dtype: (slots, per-rank numel)}.
+        # Per visit: the names in yield order, {dtype: (slots, output numel)}, and the mesh.
         self._visits: list[tuple[list[str], dict[torch.dtype, tuple[list[_Slot], int]], object]] = []
         for path, unit in visits:
             names = [n for n, _ in local_named_parameters(unit, path, FSDPModule) if n in planned and n not in emitted]
@@ -198,61 +203,59 @@ class FSDP2FlatGatherer:
                 if not _flat_gatherable(param):
                     continue
                 mesh = param.device_mesh
-                world = mesh.size()
-                rows = math.ceil(param.shape[0] / world)
+                rows = math.ceil(param.shape[0] / mesh.size())
                 dtype = _gather_dtype(param.dtype, engine_dtype)
                 slots, size = groups.get(dtype, ([], 0))
-                slots.append(_Slot(name, size, rows, tuple(param.shape)))
-                groups[dtype] = (slots, size + rows * math.prod(param.shape[1:]))
+                slot = _Slot(name, rows, tuple(param.shape))
+                slots.append(slot)
+                groups[dtype] = (slots, size + mesh.size() * rows * slot.row_numel)
             self._visits.append((names, groups, mesh))
         self._specs = {n: spec_of(planned[n]) for names, _, _ in self._visits for n in names}
-        self._sizes = [
-            sum(size * mesh.size() * dtype.itemsize for dtype, (_, size) in groups.items())
-            for _, groups, mesh in self._visits
-        ]
+        self._sizes = [sum(size * dtype.itemsize for dtype, (_, size) in groups.items()) for _, groups, _ in self._visits]
 
     def specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
 
-    def _start(self, k: int) -> dict[torch.dtype, _InFlight]:
+    @torch.no_grad()
+    def _local(self, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard of one parameter as a 1-D tensor of `slot.rows` rows in `dtype` (padded if short)."""
+        # Detached: a tensor that required grad would make the collective's in-place writes illegal.
+        local = self.model.get_parameter(slot.name).to_local().detach()
+        if self.compute_device is not None:
+            local = local.to(self.compute_device)
+        if local.shape[0] == slot.rows:
+            return local.to(dtype).contiguous().view(-1)
+        padded = torch.empty(slot.rows * slot.row_numel, dtype=dtype, device=local.device)
+        padded[: local.numel()].copy_(local.reshape(-1))  # the padding rows are never read back
+        return padded
+
+    def _start(self, k: int) -> list[tuple[_Slot, _InFlight]]:
         _, groups, mesh = self._visits[k]
-        started: dict[torch.dtype, _InFlight] = {}
         if mesh is None or mesh.size() == 1:  # nothing to gather: `_finish` reads the local (full) shards
-            return started
-        for dtype, (slots, size) in groups.items():
-            local = self._pack(slots, size, dtype)
-            started[dtype] = _all_gather(local, mesh.get_group(), mesh.size())
+            return []
+        world, group = mesh.size(), mesh.get_group()
+        started: list[tuple[_Slot, _InFlight]] = []
+        for dtype, (slots, _) in groups.items():
+            for slot in slots:
+                local = self._local(slot, dtype)
+                # NOTE: one output per parameter, not one per unit: a consumer still holding a unit's last tensor
+                # while it asks for the next unit then pins one parameter, not the whole unit.
+                out = torch.empty(world * local.numel(), dtype=dtype, device=local.device)
+                work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
+                started.append((slot, _InFlight(work, out)))
         return started
 
-    @torch.no_grad()
-    def _pack(self, slots: list[_Slot], size: int, dtype: torch.dtype) -> torch.Tensor:
-        device = self.compute_device or self.model.get_parameter(slots[0].name).to_local().device
-        buf = torch.empty(size, dtype=dtype, device=device)
-        for slot in slots:
-            # Detached: a buffer that required grad would make the collective's in-place writes illegal.
-            local = self.model.get_parameter(slot.name).to_local().detach()
-            numel = local.numel()
-            if numel:
-                # NOTE: copy_ casts; rows beyond this rank's shard stay unset and are never read back.
-                buf[slot.offset : slot.offset + numel].copy_(local.reshape(-1))
-        return buf
-
-    def _finish(self, k: int, pending: dict[torch.dtype, _InFlight]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _finish(self, k: int, pending: list[tuple[_Slot, _InFlight]]) -> Iterator[tuple[str, torch.Tensor]]:
         names, groups, mesh = self._visits[k]
         full: dict[str, torch.Tensor] = {}
         if mesh is not None and mesh.size() == 1:  # the local shards are the full tensors
             for dtype, (slots, _) in groups.items():
                 for slot in slots:
                     full[slot.name] = self.model.get_parameter(slot.name).to_local().detach().to(dtype)
-        for dtype, in_flight in pending.items():
-            slots, size = groups[dtype]
-            out = in_flight.wait().view(mesh.size(), size)
-            for slot in slots:
-                row = math.prod(slot.shape[1:])
-                block = out[:, slot.offset : slot.offset + slot.rows * row]
-                # [world, rows, ...] -> [world * rows, ...] (a copy) -> the first d0 rows.
-                tensor = block.reshape(mesh.size() * slot.rows, *slot.shape[1:])[: slot.shape[0]]
-                full[slot.name] = tensor
+        for slot, in_flight in pending:
+            out = in_flight.wait()
+            full[slot.name] = out[: slot.shape[0] * slot.row_numel].view(slot.shape)
+        pending.clear()
         for name in names:
             if name in full:
                 yield name, full.pop(name)
@@ -260,10 +263,10 @@ class FSDP2FlatGatherer:
                 yield name, _full_tensor(self.model.get_parameter(name), self.compute_device, _NO_METER)
 
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
-        def start(k: int) -> dict[torch.dtype, _InFlight]:
+        def start(k: int) -> list[tuple[_Slot, _InFlight]]:
             started = self._start(k)
-            for pending in started.values():
-                meter.hold_until_freed(pending.out)  # always a new buffer: one rank never reaches the gather
+            for _, pending in started:
+                meter.hold_until_freed(pending.out)
             return started
 
         yield from _pipelined(len(self._visits), start, self._finish, self._sizes, self.prefetch_bytes)
