@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TRLSyncTarget", "find_sync_target", "mark_weights_awake"]
+__all__ = ["TRLSyncTarget", "find_sync_target", "log_sync_metrics", "mark_weights_awake"]
 
 VLLM_GENERATION = "vllm_generation"
 MOVE_MODEL_TO_VLLM = "_move_model_to_vllm"
@@ -80,3 +80,19 @@ def mark_weights_awake(target: TRLSyncTarget) -> None:
     """Tell TRL the engine's weights are resident again (TRL re-pushes weights it believes are sleeping)."""
     if hasattr(target.owner, "_llm_weights_sleeping"):
         target.owner._llm_weights_sleeping = False
+
+
+def log_sync_metrics(trainer: Any, metrics: dict[str, float]) -> None:
+    """Put sync figures where the trainer logs its own metrics (TensorBoard, W&B, ...).
+
+    GRPO-family trainers (TRL 1.x) keep `_metrics[mode][key]` lists that are averaged into the next logged step;
+    other trainers (e.g. OnlineDPOTrainer, whose `stats` lists would divide by zero when a key has no value in a
+    logging interval) get their own log entry through `Trainer.log`.
+    """
+    buckets = getattr(trainer, "_metrics", None)
+    if isinstance(buckets, dict) and "train" in buckets:
+        mode = "train" if trainer.model.training else "eval"
+        for key, value in metrics.items():
+            buckets[mode][key].append(value)
+    else:
+        trainer.log(dict(metrics))

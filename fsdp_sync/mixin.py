@@ -16,7 +16,13 @@ import torch
 
 from compat.layout import layout_for
 from compat.names import NameRules
-from compat.trl_api import MOVE_MODEL_TO_VLLM, TRLSyncTarget, find_sync_target, mark_weights_awake
+from compat.trl_api import (
+    MOVE_MODEL_TO_VLLM,
+    TRLSyncTarget,
+    find_sync_target,
+    log_sync_metrics,
+    mark_weights_awake,
+)
 
 from .backend import Backend, UnsupportedBackendError, detect_backend, user_model
 from .config import SyncConfig
@@ -132,13 +138,5 @@ class FSDPVLLMSyncMixin:
         self.sync_reports.append(report)
         logger.info(report.summary())
         if self.sync_config.log_metrics:
-            self._fvs_log(report)
+            log_sync_metrics(self, report.metrics())
         return report
-
-    def _fvs_log(self, report: SyncReport) -> None:
-        metrics = getattr(self, "_metrics", None)
-        if isinstance(metrics, dict) and "train" in metrics:
-            # GRPO-family trainers average `_metrics[mode][key]` lists into each logged step.
-            mode = "train" if self.model.training else "eval"  # type: ignore[attr-defined]
-            for key, value in report.metrics().items():
-                metrics[mode][key].append(value)

@@ -41,7 +41,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", required=True)
     p.add_argument("--out-dir", required=True)
-    p.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
+    p.add_argument("--trainer", choices=["grpo", "rloo", "online_dpo"], default="grpo")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--fsdp1-strategy", default="flat")
@@ -71,14 +71,32 @@ def _reward(completions: list[Any], **_: Any) -> list[float]:
     return [str(c).count("the") - 0.1 * len(str(c)) for c in completions]
 
 
-def _trainer_classes(kind: str) -> tuple[type, type]:
-    if kind == "grpo":
-        from trl import GRPOConfig, GRPOTrainer
+def _trainer_classes(kind: str) -> tuple[type, type, dict[str, Any]]:
+    """The trainer class, its config class, and the config fields that differ between them."""
+    match kind:
+        case "grpo":
+            from trl import GRPOConfig, GRPOTrainer
 
-        return GRPOTrainer, GRPOConfig
-    from trl import RLOOConfig, RLOOTrainer
+            return GRPOTrainer, GRPOConfig, _GENERATION_GROUP
+        case "rloo":
+            from trl import RLOOConfig, RLOOTrainer
 
-    return RLOOTrainer, RLOOConfig
+            return RLOOTrainer, RLOOConfig, _GENERATION_GROUP
+        case "online_dpo":
+            from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+            return OnlineDPOTrainer, OnlineDPOConfig, {"max_new_tokens": 8, "max_length": 64}
+        case _:
+            raise ValueError(f"trainer {kind!r}; valid: grpo, rloo, online_dpo")
+
+
+_GENERATION_GROUP: dict[str, Any] = {"num_generations": 2, "max_completion_length": 8, "vllm_max_model_length": 64}
+
+
+def _engine(trainer: Any) -> Any:
+    """The trainer's in-process vLLM engine (TRL 1.x trainers keep it on `vllm_generation`, OnlineDPO on itself)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    return generation.llm if generation is not None else trainer.llm
 
 
 def _wrapper_info(model: Any) -> dict[str, Any]:
@@ -148,7 +166,7 @@ class EngineChecker:
             reference_engine_state,
         )
 
-        llm = self.trainer.vllm_generation.llm
+        llm = _engine(self.trainer)
         after_sync = engine_state(llm)
         checkpoint = expected_checkpoint_state(self._full_model())
         handle = engine_handle(llm)
@@ -177,7 +195,7 @@ def _route_load_weights_to_reload(trainer: Any, pushed: list[str]) -> None:
     Route each call through the engine's in-place reload (one reload per tensor) and record the names."""
     from compat.engine_api import engine_handle
 
-    handle = engine_handle(trainer.vllm_generation.llm)
+    handle = engine_handle(_engine(trainer))
     original = handle.model.load_weights
 
     def load_weights(weights: Any) -> set[str]:
@@ -214,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from fsdp_sync import FSDPVLLMSyncMixin, SyncConfig
     from fsdp_sync.testing.cpu_fsdp import restore_fsdp_distributed_type
 
-    trainer_cls, config_cls = _trainer_classes(args.trainer)
+    trainer_cls, config_cls, trainer_fields = _trainer_classes(args.trainer)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(1234)  # same noise on every rank
@@ -229,13 +247,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     common = dict(
         output_dir=str(Path(args.out_dir) / "trainer"),
         per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=8,
         max_steps=args.steps,
         learning_rate=args.lr,
         use_vllm=True,
         vllm_mode="colocate",
-        vllm_max_model_length=64,
         bf16=False,
         report_to=[],
         logging_steps=1,
@@ -246,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch_compile=args.torch_compile is not None,
         torch_compile_backend=args.torch_compile,
     )
-    config = config_cls(**common)
+    config = config_cls(**common, **trainer_fields)
     dataset = Dataset.from_dict({"prompt": PROMPTS * 2})
     kwargs: dict[str, Any] = dict(
         model=model,
@@ -269,8 +284,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.stock_reload:
         _route_load_weights_to_reload(trainer, result["pushed"])
     checker = EngineChecker(trainer, peft_config) if args.check else None
-    generation = trainer.vllm_generation
-    inner_sync = generation.sync_weights
+    # The sync entry point: TRL 1.x's `vllm_generation.sync_weights`, or OnlineDPO's `_move_model_to_vllm`.
+    if hasattr(trainer, "vllm_generation"):
+        owner, attribute = trainer.vllm_generation, "sync_weights"
+    else:
+        owner, attribute = trainer, "_move_model_to_vllm"
+    inner_sync = getattr(owner, attribute)
     sync_seconds: list[float] = []
 
     def checked_sync() -> None:
@@ -280,7 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if checker is not None:
             checker()
 
-    generation.sync_weights = checked_sync
+    setattr(owner, attribute, checked_sync)
     start = time.perf_counter()
     try:
         trainer.train()

@@ -52,3 +52,10 @@ def test_rloo_trainer_fsdp2(checkpoints, tmp_path) -> None:
     model_dir = checkpoints("qwen2")
     result = run_grpo(model_dir, tmp_path, "fsdp2", "--trainer", "rloo")
     assert_synced_every_time(result, "fsdp2", tensors=checkpoint_tensor_count(model_dir))
+
+
+def test_online_dpo_trainer_fsdp1(checkpoints, tmp_path) -> None:
+    """The experimental OnlineDPOTrainer syncs through `_move_model_to_vllm`, which the mixin overrides."""
+    model_dir = checkpoints("qwen2")
+    result = run_grpo(model_dir, tmp_path, "fsdp1", "--trainer", "online_dpo")
+    assert_synced_every_time(result, "fsdp1", tensors=checkpoint_tensor_count(model_dir))
