@@ -30,7 +30,8 @@ class Gatherer(Protocol):
     tensors_outlive_step: bool
 
     def specs(self) -> dict[str, TensorSpec]:
-        """Full shapes and dtypes by trainer name, from metadata alone (no collective, no gather)."""
+        """Full shapes and dtypes by trainer name, from metadata alone (no collective, no gather), in the order
+        `iter_full` yields them (transports that announce tensors before sending them rely on it)."""
         ...
 
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:

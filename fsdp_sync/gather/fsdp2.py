@@ -1,4 +1,5 @@
-"""FSDP2 (`fully_shard`) gatherers: per-unit unshard (default) and per-parameter `full_tensor()`.
+"""FSDP2 (`fully_shard`) gatherers: per-unit unshard and per-parameter `full_tensor()` (the default, "flat", is in
+`flat.py`).
 
 Per unit: `FSDPModule.unshard()` runs one grouped all-gather for all parameters of the unit (not recursive), the
 unit's parameters become plain full tensors, and `reshard()` frees them. Per parameter: one all-gather per DTensor.
@@ -29,18 +30,14 @@ def fsdp2_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _unshard_exact(unit: nn.Module, engine_dtype: torch.dtype | None) -> bool:
-    """Whether `unshard()` yields values that, cast to the engine dtype, equal the cast full parameters."""
-    gather_dtype = _unshard_dtype(unit)
-    return gather_dtype is None or engine_dtype is None or gather_dtype == engine_dtype
-
-
-def _unshard_dtype(unit: nn.Module) -> torch.dtype | None:
-    """The dtype `unshard()` all-gathers in (`MixedPrecisionPolicy.param_dtype`), or None for the parameter dtype.
+    """Whether `unshard()` yields values that, cast to the engine dtype, equal the cast full parameters: it gathers
+    in each group's `MixedPrecisionPolicy.param_dtype`, which must then be unset or the engine dtype itself.
 
     NOTE: FSDP2 exposes no public getter for a unit's policy; its parameter groups hold it (see compat.torch_api).
     """
-    dtypes = {g.mp_policy.param_dtype for g in fsdp2_param_groups(unit)} - {None}
-    return dtypes.pop() if len(dtypes) == 1 else None
+    if engine_dtype is None:
+        return True
+    return all(g.mp_policy.param_dtype in (None, engine_dtype) for g in fsdp2_param_groups(unit))
 
 
 @torch.no_grad()

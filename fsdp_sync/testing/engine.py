@@ -11,7 +11,6 @@ import contextlib
 import functools
 from collections.abc import Iterator
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,13 +75,11 @@ def expected_checkpoint_state(full_model: torch.nn.Module) -> dict[str, torch.Te
 
     `save_pretrained` reverts transformers' load-time conversions and drops tied weights: the independent path.
     """
-    from safetensors.torch import load_file
+    from .models import read_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp, _save_on_every_rank(full_model):
         full_model.save_pretrained(tmp, safe_serialization=True)
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(tmp).glob("*.safetensors")):
-            state.update(load_file(str(f)))
+        state = read_checkpoint(tmp)
     if not state:
         raise RuntimeError("save_pretrained wrote no weights; the reference checkpoint is empty")
     return state

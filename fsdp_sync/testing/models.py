@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FAMILIES", "TinySpec", "build_tiny_checkpoint", "build_tokenizer", "config_for"]
+__all__ = ["FAMILIES", "TinySpec", "build_tiny_checkpoint", "build_tokenizer", "config_for", "read_checkpoint"]
 
 # A small word-level vocabulary: enough distinct tokens for prompts and completions to vary.
 _WORDS = (
@@ -131,3 +131,13 @@ def build_tiny_checkpoint(
     model.save_pretrained(str(out))
     (out / "tiny_spec.json").write_text(json.dumps(spec.__dict__, indent=1))
     return out
+
+
+def read_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in a checkpoint directory, by name."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state

@@ -9,16 +9,8 @@ import torch
 
 from compat.layout import IdentityLayout, TransformersLayout, layout_for
 from compat.manifest import PlannedTensor, TensorSpec
+from fsdp_sync.testing.models import read_checkpoint
 
-
-def _safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as handle:
-            out.update({n: handle.get_tensor(n) for n in handle.keys()})
-    return out
 
 
 def _canonical(model: torch.nn.Module) -> dict[str, tuple[str, TensorSpec]]:
@@ -117,7 +109,7 @@ def test_layout_for_looks_through_peft(moe: torch.nn.Module) -> None:
 
 def test_qwen3_moe_plan_matches_checkpoint(moe: torch.nn.Module, moe_dir: Path) -> None:
     """Planning the fused model's parameters gives exactly the checkpoint's names and shapes, once each."""
-    checkpoint = _safetensors(moe_dir)
+    checkpoint = read_checkpoint(moe_dir)
     canonical = _canonical(moe)
     assert any(n.endswith("mlp.experts.gate_up_proj") for n in canonical)  # fused in memory
     assert set(canonical) != set(checkpoint)
@@ -138,7 +130,7 @@ def test_qwen3_moe_plan_matches_checkpoint(moe: torch.nn.Module, moe_dir: Path) 
 
 def test_qwen3_moe_convert_matches_checkpoint(moe: torch.nn.Module, moe_dir: Path) -> None:
     """Converting the real fused tensors gives, bit for bit, the checkpoint's per-expert tensors."""
-    checkpoint = _safetensors(moe_dir)
+    checkpoint = read_checkpoint(moe_dir)
     layout = layout_for(moe)
     tensors, _ = layout.plan(_canonical(moe))
 

@@ -29,6 +29,7 @@ from compat.manifest import TensorSpec
 from compat.names import NameRules
 from fsdp_sync.gather.plain import PlainGatherer
 from fsdp_sync.pipeline import SyncPlan, build_plan
+from fsdp_sync.testing.models import read_checkpoint
 
 # Token ids inside the tiny vocabulary (the families' defaults point past it).
 _VOCAB = 128
@@ -160,15 +161,6 @@ class Saved:
     checkpoint: dict[str, torch.Tensor]
 
 
-def _safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as handle:
-            out.update({n: handle.get_tensor(n) for n in handle.keys()})
-    return out
-
 
 def _build(family: Family) -> torch.nn.Module:
     from transformers import AutoModelForImageTextToText
@@ -206,7 +198,7 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     model = _build(family)
     directory = tmp_path_factory.mktemp(family.name)
     model.save_pretrained(str(directory))
-    return Saved(family, model, directory, _safetensors(directory))
+    return Saved(family, model, directory, read_checkpoint(directory))
 
 
 @pytest.fixture(scope="module", params=["from_config", "from_pretrained"])
@@ -341,7 +333,7 @@ def test_hub_layout_checkpoint_plans_back_to_itself(family_name: str, tmp_path: 
     family = FAMILIES[family_name]
     built = _build(family)
     built.save_pretrained(str(tmp_path / "saved"))
-    saved = _safetensors(tmp_path / "saved")
+    saved = read_checkpoint(tmp_path / "saved")
     tower = "vision_tower."
     hub = {
         (f"{tower}vision_model.{n[len(tower) :]}" if n.startswith(tower) else n): t.contiguous()
