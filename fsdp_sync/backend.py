@@ -23,6 +23,7 @@ class Backend(enum.Enum):
     FSDP2 = "fsdp2"
     DDP = "ddp"
     PLAIN = "plain"
+    DEEPSPEED = "deepspeed"  # recognised, not gathered here: left to the trainer's own sync
 
 
 class UnsupportedBackendError(RuntimeError):
@@ -65,15 +66,15 @@ def user_model(model: nn.Module) -> nn.Module:
 def detect_backend(model: nn.Module) -> Backend:
     """Classify `model` (as the trainer holds it) by the wrappers found in its module tree.
 
+    DeepSpeed engines are recognised by class name (no import of deepspeed) and returned as `Backend.DEEPSPEED`: ZeRO
+    gathers are the trainer's own sync's business.
+
     Raises:
-        UnsupportedBackendError: DeepSpeed engines (left to the trainer's own sync), FSDP1 and FSDP2 mixed in one
-            tree, or DTensor parameters without any FSDP2 unit (tensor parallelism and other DTensor layouts).
+        UnsupportedBackendError: FSDP1 and FSDP2 mixed in one tree, or DTensor parameters without any FSDP2 unit
+            (tensor parallelism and other DTensor layouts).
     """
     if type(model).__name__ == "DeepSpeedEngine":
-        raise UnsupportedBackendError(
-            "DeepSpeed ZeRO models are not gathered by fsdp-vllm-sync; the trainer's own sync handles them. "
-            "FSDPVLLMSyncMixin leaves DeepSpeed runs to the trainer's built-in sync."
-        )
+        return Backend.DEEPSPEED
     is_ddp = isinstance(model, DistributedDataParallel | DataParallel)
     inner = unwrap_outer(model)
     modules = list(inner.modules())

@@ -24,7 +24,7 @@ from compat.trl_api import (
     mark_weights_awake,
 )
 
-from .backend import Backend, UnsupportedBackendError, detect_backend, user_model
+from .backend import Backend, detect_backend, user_model
 from .config import SyncConfig
 from .gather import make_gatherer
 from .peft_merge import PeftMerge
@@ -41,7 +41,7 @@ class FSDPVLLMSyncMixin:
     """Mix into a TRL GRPO-family trainer (first in the bases) to sync weights correctly under FSDP1/FSDP2/DDP.
 
     Args (keyword, besides the trainer's own):
-        sync_config: options; defaults to `SyncConfig()` (per-unit gathering on both FSDP versions).
+        sync_config: options; defaults to `SyncConfig()` (the flat strategy on both FSDP versions).
 
     Attributes:
         sync_reports: one `SyncReport` per sync on this rank, in order.
@@ -57,11 +57,15 @@ class FSDPVLLMSyncMixin:
         self._fvs_model: torch.nn.Module | None = None
         self._fvs_backend: Backend | None = None
         self._fvs_target: TRLSyncTarget | None = find_sync_target(self)
+        # The trainer's own sync, kept for DeepSpeed runs (left to it).
         self._fvs_builtin_sync = None
-        if self._fvs_target is not None and self._fvs_target.entry != MOVE_MODEL_TO_VLLM:
-            owner = self._fvs_target.owner
-            self._fvs_builtin_sync = owner.sync_weights
-            owner.sync_weights = self.sync_weights_to_vllm
+        if self._fvs_target is not None:
+            if self._fvs_target.entry == MOVE_MODEL_TO_VLLM:
+                self._fvs_builtin_sync = super()._move_model_to_vllm  # type: ignore[misc]
+            else:
+                owner = self._fvs_target.owner
+                self._fvs_builtin_sync = owner.sync_weights
+                owner.sync_weights = self.sync_weights_to_vllm
 
     # Older TRL and the experimental OnlineDPOTrainer call this method; the mixin comes first in the MRO.
     def _move_model_to_vllm(self, *args: Any, **kwargs: Any) -> None:
@@ -120,14 +124,11 @@ class FSDPVLLMSyncMixin:
         """Push the trainer's current weights into the vLLM engine; every rank must call it."""
         model = self.model_wrapped  # type: ignore[attr-defined]
         if model is not self._fvs_model:
-            try:
-                backend = detect_backend(model)
-            except UnsupportedBackendError:
-                if type(model).__name__ == "DeepSpeedEngine" and self._fvs_builtin_sync is not None:
-                    logger.warning("fsdp-vllm-sync: DeepSpeed model; using the trainer's built-in weight sync.")
-                    self._fvs_builtin_sync()
-                    return None
-                raise
+            backend = detect_backend(model)
+            if backend is Backend.DEEPSPEED and self._fvs_builtin_sync is not None:
+                logger.warning("fsdp-vllm-sync: DeepSpeed ZeRO model; using the trainer's built-in weight sync.")
+                self._fvs_builtin_sync()
+                return None
             self._fvs_sync = self._fvs_build(model, backend)
             self._fvs_model = model
             self._fvs_backend = backend

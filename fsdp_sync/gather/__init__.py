@@ -7,7 +7,7 @@ import logging
 import torch
 from torch import nn
 
-from ..backend import Backend, unwrap_outer
+from ..backend import Backend, UnsupportedBackendError, unwrap_outer
 from ..config import SyncConfig
 from .base import Gatherer
 from .fsdp1 import FSDP1RootSummonGatherer, FSDP1UnitGatherer
@@ -73,5 +73,10 @@ def make_gatherer(
             )
         case (Backend.DDP | Backend.PLAIN), _:
             return PlainGatherer(inner)
+        case Backend.DEEPSPEED, _:
+            raise UnsupportedBackendError(
+                "DeepSpeed ZeRO models are not gathered by fsdp-vllm-sync; use the trainer's own sync "
+                "(FSDPVLLMSyncMixin does so automatically)."
+            )
         case _:
             raise ValueError(f"Unknown backend/strategy {backend!r}/{strategy!r}; see SyncConfig for valid ones")

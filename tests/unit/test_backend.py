@@ -115,16 +115,20 @@ def test_dtensor_parameters_without_fsdp2_unit_rejected(mesh: DeviceMesh) -> Non
     assert "0.weight" not in str(err.value)
 
 
-def test_deepspeed_engine_rejected() -> None:
-    """An object whose class is named DeepSpeedEngine raises UnsupportedBackendError (left to the trainer's sync)."""
+def test_deepspeed_engine_recognised_not_gathered() -> None:
+    """A DeepSpeedEngine is recognised by class name; no gatherer is built for it (left to the trainer's sync)."""
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.gather import make_gatherer
 
     class DeepSpeedEngine(nn.Module):
         def __init__(self, module: nn.Module) -> None:
             super().__init__()
             self.module = module
 
+    engine = DeepSpeedEngine(_model())
+    assert detect_backend(engine) is Backend.DEEPSPEED
     with pytest.raises(UnsupportedBackendError, match="DeepSpeed"):
-        detect_backend(DeepSpeedEngine(_model()))
+        make_gatherer(engine, Backend.DEEPSPEED, SyncConfig())
 
 
 def test_fsdp1_and_fsdp2_mixed_rejected(mesh: DeviceMesh) -> None:

@@ -1,0 +1,79 @@
+"""FSDPVLLMSyncMixin wiring with stand-in trainers: which entry point it replaces, and the DeepSpeed fallback.
+
+The end-to-end tests run the mixin on the real TRL trainers; these cover the branches a CPU run cannot reach.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from torch import nn
+
+from fsdp_sync import FSDPVLLMSyncMixin
+
+
+class DeepSpeedEngine(nn.Module):
+    """Stands in for deepspeed's engine (recognised by class name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(2, 2)
+
+
+class Generation:
+    """TRL 1.x's `VLLMGeneration` surface the mixin touches."""
+
+    mode = "colocate"
+    llm = None
+    enable_sleep_mode = False
+
+    def __init__(self) -> None:
+        self.builtin_calls = 0
+
+    def sync_weights(self) -> None:
+        self.builtin_calls += 1
+
+
+class GenerationTrainer:
+    """A GRPO-like trainer: vLLM on, sync through `vllm_generation.sync_weights`."""
+
+    def __init__(self, model: nn.Module, use_vllm: bool = True) -> None:
+        self.args = SimpleNamespace(use_vllm=use_vllm)
+        self.vllm_generation = Generation()
+        self.model = self.model_wrapped = model
+
+
+class MoveModelTrainer:
+    """An OnlineDPO-like trainer: vLLM on, sync through its own `_move_model_to_vllm`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.args = SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+        self.llm = None
+        self.model = self.model_wrapped = model
+        self.builtin_calls = 0
+
+    def _move_model_to_vllm(self) -> None:
+        self.builtin_calls += 1
+
+
+def test_generation_entry_replaced_and_deepspeed_left_to_trl() -> None:
+    """The trainer's `sync_weights` becomes the mixin's; with a DeepSpeed model it calls TRL's own sync."""
+    trainer = type("T", (FSDPVLLMSyncMixin, GenerationTrainer), {})(DeepSpeedEngine())
+    generation = trainer.vllm_generation
+    assert generation.sync_weights == trainer.sync_weights_to_vllm
+    assert generation.sync_weights() is None
+    assert generation.builtin_calls == 1
+    assert trainer.sync_reports == []
+
+
+def test_move_model_entry_overridden_and_deepspeed_left_to_trainer() -> None:
+    """`_move_model_to_vllm` (OnlineDPO, older TRL) goes through the mixin; DeepSpeed reaches the trainer's method."""
+    trainer = type("T", (FSDPVLLMSyncMixin, MoveModelTrainer), {})(DeepSpeedEngine())
+    trainer._move_model_to_vllm()
+    assert trainer.builtin_calls == 1
+
+
+def test_trainer_without_vllm_is_untouched() -> None:
+    """With `use_vllm=False` nothing is replaced (the trainer generates with transformers)."""
+    trainer = type("T", (FSDPVLLMSyncMixin, GenerationTrainer), {})(nn.Linear(2, 2), use_vllm=False)
+    assert trainer.vllm_generation.sync_weights != trainer.sync_weights_to_vllm
