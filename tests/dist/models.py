@@ -6,6 +6,15 @@ import torch
 from torch import nn
 
 
+def device() -> torch.device:
+    """This rank's device: its GPU under NCCL (multi-GPU machines), else the CPU (gloo)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def tiny_lm(seed: int = 0, *, tie: bool = True, layers: int = 2, vocab: int = 256) -> nn.Module:
     """A Qwen2-style causal LM with nested decoder layers (the FSDP units) and tied embeddings."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -22,7 +31,7 @@ def tiny_lm(seed: int = 0, *, tie: bool = True, layers: int = 2, vocab: int = 25
         tie_word_embeddings=tie,
     )
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device())
 
 
 def decoder_layer_cls(model: nn.Module) -> type:
@@ -30,13 +39,13 @@ def decoder_layer_cls(model: nn.Module) -> type:
 
 
 def full_reference(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded weights by parameter name (tied weights once), cloned."""
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    """The unsharded weights by parameter name (tied weights once), cloned, on the CPU."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int = 0) -> float:
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (2, 8), generator=generator)
+    ids = torch.randint(0, 256, (2, 8), generator=generator).to(device())
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     optimizer.step()

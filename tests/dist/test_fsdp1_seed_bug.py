@@ -18,7 +18,7 @@ from fsdp_sync.gather import FSDP1FlatGatherer, FSDP1RootSummonGatherer, FSDP1Un
 from fsdp_sync.memory import MemoryMeter
 from fsdp_sync.testing.dist import run_distributed
 
-from .models import decoder_layer_cls, full_reference, tiny_lm, train_step
+from .models import device, decoder_layer_cls, full_reference, tiny_lm, train_step
 
 
 def _wrap(use_orig_params: bool) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -27,7 +27,7 @@ def _wrap(use_orig_params: bool) -> tuple[torch.nn.Module, dict[str, torch.Tenso
     wrapped = FSDP(
         model,
         auto_wrap_policy=ModuleWrapPolicy({decoder_layer_cls(model)}),
-        device_id=torch.device("cpu"),
+        device_id=device(),
         use_orig_params=use_orig_params,
     )
     return wrapped, reference
@@ -57,14 +57,14 @@ def gather_then_train(rank: int, world_size: int, use_orig_params: bool, strateg
     wrapped, reference = _wrap(use_orig_params)
     gatherer_cls = {"unit": FSDP1UnitGatherer, "root": FSDP1RootSummonGatherer, "flat": FSDP1FlatGatherer}[strategy]
     gatherer = gatherer_cls(wrapped)
-    meter = MemoryMeter(torch.device("cpu"))
+    meter = MemoryMeter(device())
     meter.start()
-    before = {canonical_name(n): t.clone() for n, t in gatherer.iter_full(meter)}
+    before = {canonical_name(n): t.to("cpu", copy=True) for n, t in gatherer.iter_full(meter)}
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     losses = [train_step(wrapped, optimizer, seed=s) for s in range(2)]
-    after = {canonical_name(n): t.clone() for n, t in gatherer.iter_full(meter)}
+    after = {canonical_name(n): t.to("cpu", copy=True) for n, t in gatherer.iter_full(meter)}
     with FSDP.state_dict_type(wrapped, torch.distributed.fsdp.StateDictType.FULL_STATE_DICT):
-        trained = {k: v.clone() for k, v in wrapped.state_dict().items()}
+        trained = {k: v.to("cpu", copy=True) for k, v in wrapped.state_dict().items()}
     return {
         "names_before": sorted(before),
         "reference_names": sorted(reference),

@@ -18,11 +18,11 @@ from fsdp_sync.gather.base import local_named_parameters
 from fsdp_sync.memory import MemoryMeter
 from fsdp_sync.testing.dist import run_distributed
 
-from .models import full_reference, tiny_lm, train_step
+from .models import device, full_reference, tiny_lm, train_step
 
 
 def _shard(model: torch.nn.Module, world_size: int, *, shard_root: bool, mp: MixedPrecisionPolicy | None) -> None:
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(device().type, (world_size,))
     kwargs = {"mesh": mesh, "mp_policy": mp or MixedPrecisionPolicy()}
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
@@ -31,9 +31,9 @@ def _shard(model: torch.nn.Module, world_size: int, *, shard_root: bool, mp: Mix
 
 
 def _gather(gatherer: object) -> dict[str, torch.Tensor]:
-    meter = MemoryMeter(torch.device("cpu"))
+    meter = MemoryMeter(device())
     meter.start()
-    out = {n: t.clone() for n, t in gatherer.iter_full(meter)}  # type: ignore[attr-defined]
+    out = {n: t.to("cpu", copy=True) for n, t in gatherer.iter_full(meter)}  # type: ignore[attr-defined]
     out["__peak__"] = torch.tensor(meter.accounted_peak_bytes)
     return out
 
@@ -59,7 +59,8 @@ def gather_scenario(
     train_step(model, optimizer)
     after = _gather(gatherer)
     after.pop("__peak__")
-    trained = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    trained = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    trained = {k: v.to("cpu") for k, v in trained.items()}
     unit_bytes = [
         sum(p.numel() * p.element_size() for p in m.parameters()) for m in model.modules() if isinstance(m, FSDPModule)
     ]
@@ -122,7 +123,7 @@ def prefetch_scenario(rank: int, world_size: int, prefetch_bytes: int) -> dict[s
     model = tiny_lm()
     _shard(model, world_size, shard_root=True, mp=None)
     gatherer = FSDP2FlatGatherer(model, engine_dtype=torch.bfloat16, prefetch_bytes=prefetch_bytes)
-    meter = MemoryMeter(torch.device("cpu"))
+    meter = MemoryMeter(device())
     meter.start()
     for _ in gatherer.iter_full(meter):  # each tensor dropped when the next is taken, as a copying writer does
         pass

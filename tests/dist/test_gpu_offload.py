@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def offload_scenario(rank: int, world_size: int, backend: str, strategy: str) -> dict[str, object]:
     device = torch.device("cuda", torch.cuda.current_device())
-    model = tiny_lm(vocab=257)
+    model = tiny_lm(vocab=257).to("cpu")  # offloaded parameters start in host memory
     reference = full_reference(model)
     if backend == "fsdp1":
         from torch.distributed.fsdp import CPUOffload

@@ -25,7 +25,7 @@ from fsdp_sync.peft_merge import PeftMerge
 from fsdp_sync.pipeline import WeightSync
 from fsdp_sync.testing.dist import run_distributed
 
-from .models import decoder_layer_cls, tiny_lm, train_step
+from .models import device, decoder_layer_cls, tiny_lm, train_step
 
 
 class CapturingWriter:
@@ -48,7 +48,7 @@ class CapturingWriter:
         """Nothing to announce."""
 
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.got = {n: t.detach().clone() for n, t in weights}
+        self.got = {n: t.detach().to("cpu", copy=True) for n, t in weights}
 
     def finish(self) -> None:
         """Nothing to reset."""
@@ -85,11 +85,11 @@ def _wrap(model: nn.Module, backend: str, world_size: int) -> nn.Module:
                 functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls}),
             ],
         )
-        return FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True)
+        return FSDP(model, auto_wrap_policy=policy, device_id=device(), use_orig_params=True)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(device().type, (world_size,))
     for module in list(model.modules()):
         if _is_adapter_linear(module):
             fully_shard(module, mesh=mesh)
@@ -101,7 +101,7 @@ def _wrap(model: nn.Module, backend: str, world_size: int) -> nn.Module:
 
 def lora_scenario(rank: int, world_size: int, backend: str, strategy: str) -> dict[str, object]:
     model = _lora_model()
-    expected = {k: v.clone() for k, v in copy.deepcopy(model).merge_and_unload().state_dict().items()}
+    expected = {k: v.to("cpu", copy=True) for k, v in copy.deepcopy(model).merge_and_unload().state_dict().items()}
     expected.pop("lm_head.weight", None)  # tied: sent once, as the embedding
     wrapped = _wrap(model, backend, world_size)
     backend_found = detect_backend(wrapped)
