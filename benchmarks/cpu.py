@@ -51,7 +51,10 @@ def _train_step(model: torch.nn.Module) -> None:
                 p.grad = None
 
 
-def cpu_worker(rank: int, world_size: int, model_name: str, model_dir: str, reps: int) -> list[dict[str, Any]]:
+def _measure_backend(
+    rank: int, world_size: int, model_name: str, model_dir: str, reps: int, backend: str, llm: Any
+) -> list[dict[str, Any]]:
+    """TRL's path, our strategies and the floor for one backend, interleaved over `reps` repetitions."""
     from transformers import AutoModelForCausalLM
 
     from compat.engine_api import engine_handle
@@ -67,61 +70,67 @@ def cpu_worker(rank: int, world_size: int, model_name: str, model_dir: str, reps
 
     device = torch.device("cpu")
     rows: list[dict[str, Any]] = []
-    llm = _engine(model_dir)
     handle = engine_handle(llm)
     writer = ColocateWriter(llm)
-    for backend in ("fsdp1", "fsdp2"):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        held_by_trl = model  # TRL keeps the model object it was given
-        wrapped = wrap_fsdp(model, backend, device)
-        _train_step(wrapped)
-        detected = detect_backend(wrapped)
-        syncs = {
-            strategy: WeightSync(
-                make_gatherer(wrapped, detected, _config(backend, strategy), engine_dtype=writer.engine_dtype),
-                writer,
-                rules=NameRules(),
-                layout=IdentityLayout(),
-                backend=backend,
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    held_by_trl = model  # TRL keeps the model object it was given
+    wrapped = wrap_fsdp(model, backend, device)
+    _train_step(wrapped)
+    detected = detect_backend(wrapped)
+    syncs = {
+        strategy: WeightSync(
+            make_gatherer(wrapped, detected, _config(backend, strategy), engine_dtype=writer.engine_dtype),
+            writer,
+            rules=NameRules(),
+            layout=IdentityLayout(),
+            backend=backend,
+        )
+        for strategy in OURS[backend]
+    }
+    # Floor: the same tensors, already full and in the engine dtype, pushed in one batched call.
+    gatherer = syncs[OURS[backend][0]].gatherer
+    full = [
+        (canonical_name(name), t.to(writer.engine_dtype, copy=True))
+        for name, t in gatherer.iter_full(MemoryMeter(device))
+    ]
+    floor_bytes = sum(t.numel() * t.element_size() for _, t in full)
+
+    def run_floor() -> tuple[int, int]:
+        handle.push(iter(full))
+        return len(full), floor_bytes
+
+    def run_trl() -> tuple[int, int]:
+        return trl_sync(held_by_trl, backend, lambda items: handle.push(iter(items)), device)
+
+    def run_ours(strategy: str) -> tuple[int, int]:
+        report = syncs[strategy].sync()
+        return report.tensors, report.bytes
+
+    methods = {"trl": run_trl, "floor": run_floor}
+    methods.update({f"ours-{s}": (lambda s=s: run_ours(s)) for s in OURS[backend]})
+    for rep in range(reps):
+        order = list(methods)
+        order = order[rep % len(order):] + order[: rep % len(order)]
+        for method in order:
+            seconds, tensors, nbytes, peak, source = measure(methods[method], device)
+            rows.append(
+                Measurement(model_name, backend, method, rep, seconds, tensors, nbytes, peak, source,
+                            world_size, rank).row()
             )
-            for strategy in OURS[backend]
-        }
-        # Floor: the same tensors, already full and in the engine dtype, pushed in one batched call.
-        gatherer = syncs[OURS[backend][0]].gatherer
-        full = [
-            (canonical_name(name), t.to(writer.engine_dtype, copy=True))
-            for name, t in gatherer.iter_full(MemoryMeter(device))
-        ]
-        floor_bytes = sum(t.numel() * t.element_size() for _, t in full)
+    # Accounted peak of our strategies (what the sync itself holds), from the last repetition.
+    for strategy, sync in syncs.items():
+        sync.sync()
+        rows.append({"model": model_name, "backend": backend, "method": f"ours-{strategy}",
+                     "accounted_peak_bytes": sync.meter.accounted_peak_bytes, "rank": rank})
+    # Leave the engine with the trainer's weights, from our path (TRL's per-tensor reloads do not).
+    syncs[OURS[backend][0]].sync()
+    return rows
 
-        def run_floor() -> tuple[int, int]:
-            handle.push(iter(full))
-            return len(full), floor_bytes
 
-        def run_trl() -> tuple[int, int]:
-            return trl_sync(held_by_trl, backend, lambda items: handle.push(iter(items)), device)
-
-        def run_ours(strategy: str) -> tuple[int, int]:
-            report = syncs[strategy].sync()
-            return report.tensors, report.bytes
-
-        methods = {"trl": run_trl, "floor": run_floor}
-        methods.update({f"ours-{s}": (lambda s=s: run_ours(s)) for s in OURS[backend]})
-        for rep in range(reps):
-            order = list(methods)
-            order = order[rep % len(order):] + order[: rep % len(order)]
-            for method in order:
-                seconds, tensors, nbytes, peak, source = measure(methods[method], device)
-                rows.append(
-                    Measurement(model_name, backend, method, rep, seconds, tensors, nbytes, peak, source,
-                                world_size, rank).row()
-                )
-        # Accounted peak of our strategies (what the sync itself holds), from the last repetition.
-        for strategy, sync in syncs.items():
-            sync.sync()
-            rows.append({"model": model_name, "backend": backend, "method": f"ours-{strategy}",
-                         "accounted_peak_bytes": sync.meter.accounted_peak_bytes, "rank": rank})
-        # Leave the engine with the trainer's weights, from our path (TRL's per-tensor reloads do not).
-        syncs[OURS[backend][0]].sync()
-        del wrapped, model, held_by_trl, syncs, full
+def cpu_worker(rank: int, world_size: int, model_name: str, model_dir: str, reps: int) -> list[dict[str, Any]]:
+    """Both backends on one engine (one engine per process)."""
+    llm = _engine(model_dir)
+    rows: list[dict[str, Any]] = []
+    for backend in ("fsdp1", "fsdp2"):
+        rows.extend(_measure_backend(rank, world_size, model_name, model_dir, reps, backend, llm))
     return rows

@@ -35,7 +35,10 @@ def _build(model_name: str, device: torch.device) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config_for(GPU_SHAPES[model_name]), dtype=torch.bfloat16)
 
 
-def gpu_worker(rank: int, world_size: int, model_name: str, reps: int, check: bool) -> list[dict[str, Any]]:
+def _measure_backend(
+    rank: int, world_size: int, model_name: str, reps: int, check: bool, backend: str, device: torch.device
+) -> list[dict[str, Any]]:
+    """TRL's path, our strategies and the floor for one backend, interleaved over `reps` repetitions."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from compat.layout import IdentityLayout
@@ -47,61 +50,68 @@ def gpu_worker(rank: int, world_size: int, model_name: str, reps: int, check: bo
     from .buffers import FusedBuffersWriter
     from .trl_path import trl_sync
 
+    rows: list[dict[str, Any]] = []
+    model = _build(model_name, device)
+    held_by_trl = model
+    wrapped = wrap_fsdp(model, backend, device)
+    detected = detect_backend(wrapped)
+    gatherers = {s: make_gatherer(wrapped, detected, _config(backend, s), engine_dtype=torch.bfloat16,
+                                  compute_device=device) for s in OURS[backend]}
+    plan = build_plan(gatherers[OURS[backend][0]], NameRules(), IdentityLayout())
+    writer = FusedBuffersWriter({t.name: t.spec for t in plan.tensors}, dtype=torch.bfloat16, device=device)
+    syncs = {s: WeightSync(g, writer, backend=backend, device=device) for s, g in gatherers.items()}
+    expected = None
+    if check:
+        full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
+        expected = {canonical_name(k): v for k, v in full.items() if canonical_name(k) in writer.slots}
+        assert len(expected) == len(writer.slots), "the reference must cover every engine block"
+    flat_src = torch.empty(writer.nbytes, dtype=torch.uint8, device=device)
+    flat_dst = torch.empty_like(flat_src)
+
+    def run_floor() -> tuple[int, int]:
+        flat_dst.copy_(flat_src)
+        return 1, writer.nbytes
+
+    def run_trl() -> tuple[int, int]:
+        return trl_sync(held_by_trl, backend, writer.write, device)
+
+    def run_ours(strategy: str) -> tuple[int, int]:
+        report = syncs[strategy].sync()
+        return report.tensors, report.bytes
+
+    methods = {"trl": run_trl, "floor": run_floor}
+    methods.update({f"ours-{s}": (lambda s=s: run_ours(s)) for s in OURS[backend]})
+    for method in methods:  # warm-up (allocator, NCCL communicators), not measured
+        methods[method]()
+    for rep in range(reps):
+        order = list(methods)
+        order = order[rep % len(order):] + order[: rep % len(order)]
+        for method in order:
+            if expected is not None:
+                for buffer in writer.buffers.values():
+                    buffer.zero_()
+            seconds, tensors, nbytes, peak, source = measure(methods[method], device)
+            row = Measurement(model_name, backend, method, rep, seconds, tensors, nbytes, peak, source,
+                              world_size, rank).row()
+            if expected is not None and method != "floor":
+                bad = writer.mismatches(expected)
+                row["mismatches"] = len(bad)
+                row["mismatch_names"] = bad[:8]
+            rows.append(row)
+    for strategy, sync in syncs.items():
+        rows.append({"model": model_name, "backend": backend, "method": f"ours-{strategy}",
+                     "accounted_peak_bytes": sync.meter.accounted_peak_bytes, "rank": rank})
+    return rows
+
+
+def gpu_worker(rank: int, world_size: int, model_name: str, reps: int, check: bool) -> list[dict[str, Any]]:
+    """Both backends, one after the other (each builds, measures and frees its own model)."""
     # (CPU only for a smoke test of this code with gloo; figures are from GPUs.)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     rows: list[dict[str, Any]] = []
     for backend in ("fsdp1", "fsdp2"):
-        model = _build(model_name, device)
-        held_by_trl = model
-        wrapped = wrap_fsdp(model, backend, device)
-        detected = detect_backend(wrapped)
-        gatherers = {s: make_gatherer(wrapped, detected, _config(backend, s), engine_dtype=torch.bfloat16,
-                                      compute_device=device) for s in OURS[backend]}
-        plan = build_plan(gatherers[OURS[backend][0]], NameRules(), IdentityLayout())
-        writer = FusedBuffersWriter({t.name: t.spec for t in plan.tensors}, dtype=torch.bfloat16, device=device)
-        syncs = {s: WeightSync(g, writer, backend=backend, device=device) for s, g in gatherers.items()}
-        expected = None
-        if check:
-            full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
-            expected = {canonical_name(k): v for k, v in full.items() if canonical_name(k) in writer.slots}
-            assert len(expected) == len(writer.slots), "the reference must cover every engine block"
-        flat_src = torch.empty(writer.nbytes, dtype=torch.uint8, device=device)
-        flat_dst = torch.empty_like(flat_src)
-
-        def run_floor() -> tuple[int, int]:
-            flat_dst.copy_(flat_src)
-            return 1, writer.nbytes
-
-        def run_trl() -> tuple[int, int]:
-            return trl_sync(held_by_trl, backend, writer.write, device)
-
-        def run_ours(strategy: str) -> tuple[int, int]:
-            report = syncs[strategy].sync()
-            return report.tensors, report.bytes
-
-        methods = {"trl": run_trl, "floor": run_floor}
-        methods.update({f"ours-{s}": (lambda s=s: run_ours(s)) for s in OURS[backend]})
-        for method in methods:  # warm-up (allocator, NCCL communicators), not measured
-            methods[method]()
-        for rep in range(reps):
-            order = list(methods)
-            order = order[rep % len(order):] + order[: rep % len(order)]
-            for method in order:
-                if expected is not None:
-                    for buffer in writer.buffers.values():
-                        buffer.zero_()
-                seconds, tensors, nbytes, peak, source = measure(methods[method], device)
-                row = Measurement(model_name, backend, method, rep, seconds, tensors, nbytes, peak, source,
-                                  world_size, rank).row()
-                if expected is not None and method != "floor":
-                    bad = writer.mismatches(expected)
-                    row["mismatches"] = len(bad)
-                    row["mismatch_names"] = bad[:8]
-                rows.append(row)
-        for strategy, sync in syncs.items():
-            rows.append({"model": model_name, "backend": backend, "method": f"ours-{strategy}",
-                         "accounted_peak_bytes": sync.meter.accounted_peak_bytes, "rank": rank})
-        del wrapped, model, held_by_trl, syncs, gatherers, writer, flat_src, flat_dst, expected
-        torch.cuda.empty_cache()
+        rows.extend(_measure_backend(rank, world_size, model_name, reps, check, backend, device))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         dist.barrier()
     return rows

@@ -77,7 +77,7 @@ class WeightSync:
         gatherer: Gatherer,
         writer: EngineWriter,
         *,
-        rules: NameRules = NameRules(),
+        rules: NameRules | None = None,
         layout: Layout | None = None,
         merge: PeftMerge | None = None,
         backend: str = "",
@@ -86,7 +86,7 @@ class WeightSync:
     ) -> None:
         self.gatherer = gatherer
         self.writer = writer
-        self.rules = rules
+        self.rules = rules or NameRules()
         self.layout: Layout = layout or IdentityLayout()
         self.merge = merge
         self.backend = backend
