@@ -80,6 +80,17 @@ def _measure_backend(
         return report.tensors, report.bytes
 
     methods = {"trl": run_trl, "floor": run_floor}
+    if world_size > 1:
+        # With several ranks the floor is the all-gather of the same bytes: what each rank must receive, at the
+        # collective's own bandwidth, measured here.
+        shard = torch.empty(writer.nbytes // world_size, dtype=torch.uint8, device=device)
+        gathered = torch.empty(shard.numel() * world_size, dtype=torch.uint8, device=device)
+
+        def run_allgather_floor() -> tuple[int, int]:
+            dist.all_gather_into_tensor(gathered, shard)
+            return 1, gathered.numel()
+
+        methods["floor-allgather"] = run_allgather_floor
     methods.update({f"ours-{s}": (lambda s=s: run_ours(s)) for s in OURS[backend]})
     for method in methods:  # warm-up (allocator, NCCL communicators), not measured
         methods[method]()

@@ -41,7 +41,10 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_key = {(s["model"], s["backend"], s["method"]): s for s in out}
     for s in out:
         trl = by_key.get((s["model"], s["backend"], "trl"))
-        floor = by_key.get((s["model"], s["backend"], "floor"))
+        # Several ranks: the all-gather of the same bytes is the floor; one rank: the flat device copy.
+        floor = by_key.get((s["model"], s["backend"], "floor-allgather")) or by_key.get(
+            (s["model"], s["backend"], "floor")
+        )
         s["x_trl"] = trl["seconds"] / s["seconds"] if trl else None  # speed-up over TRL (>1: faster)
         s["x_floor"] = s["seconds"] / floor["seconds"] if floor else None  # time over the floor (1: at the floor)
     return out
