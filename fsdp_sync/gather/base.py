@@ -7,13 +7,12 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from compat.manifest import TensorSpec
 
 from ..memory import MemoryMeter
 
-__all__ = ["Gatherer", "local_named_parameters", "materialize", "spec_of"]
+__all__ = ["Gatherer", "group_units", "local_named_parameters", "spec_of"]
 
 
 class Gatherer(Protocol):
@@ -42,14 +41,6 @@ class Gatherer(Protocol):
 def spec_of(param: torch.Tensor) -> TensorSpec:
     """Full shape and dtype; a DTensor reports its global shape without communication."""
     return TensorSpec(tuple(param.shape), param.dtype)
-
-
-@torch.no_grad()
-def materialize(param: torch.Tensor) -> torch.Tensor:
-    """The full value of a parameter: DTensors are all-gathered, plain tensors pass through untouched."""
-    if isinstance(param, DTensor):
-        return param.full_tensor()
-    return param.detach()
 
 
 def local_named_parameters(

@@ -32,7 +32,6 @@ from .fsdp2 import _full_tensor, fsdp2_units
 
 __all__ = ["FSDP1FlatGatherer", "FSDP2FlatGatherer"]
 
-_NO_METER = MemoryMeter(torch.device("cpu"))  # for the rare parameters outside the flat gather (not accounted)
 
 
 def _gather_dtype(dtype: torch.dtype, engine_dtype: torch.dtype | None) -> torch.dtype:
@@ -48,7 +47,6 @@ class _InFlight:
 
     work: dist.Work | None
     out: torch.Tensor
-    extra: object = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -122,16 +120,14 @@ class FSDP1FlatGatherer(_FSDP1Base):
             flat = flat.to(self.compute_device)
         local = flat.to(_gather_dtype(flat.dtype, self.engine_dtype))
         world = dist.get_world_size(handle.process_group) if handle.uses_sharded_strategy else 1
-        started = _all_gather(local, handle.process_group, world)
-        started.extra = handle
-        return started
+        return _all_gather(local, handle.process_group, world)
 
     def _finish(self, k: int, pending: _InFlight) -> Iterator[tuple[str, torch.Tensor]]:
         unit, params = self._units[k]
         if not params:
             return
         full = pending.wait()
-        handle = pending.extra
+        handle = unit._handle
         numel = handle.flat_param._unpadded_unsharded_size.numel()
         views = handle._get_unflat_views(full[:numel])
         for (name, _, _), view in zip(params, views, strict=True):
@@ -245,7 +241,9 @@ class FSDP2FlatGatherer:
                 started.append((slot, _InFlight(work, out)))
         return started
 
-    def _finish(self, k: int, pending: list[tuple[_Slot, _InFlight]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _finish(
+        self, k: int, pending: list[tuple[_Slot, _InFlight]], meter: MemoryMeter
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         names, groups, mesh = self._visits[k]
         full: dict[str, torch.Tensor] = {}
         if mesh is not None and mesh.size() == 1:  # the local shards are the full tensors
@@ -260,7 +258,7 @@ class FSDP2FlatGatherer:
             if name in full:
                 yield name, full.pop(name)
             else:
-                yield name, _full_tensor(self.model.get_parameter(name), self.compute_device, _NO_METER)
+                yield name, _full_tensor(self.model.get_parameter(name), self.compute_device, meter)
 
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
         def start(k: int) -> list[tuple[_Slot, _InFlight]]:
@@ -269,7 +267,10 @@ class FSDP2FlatGatherer:
                 meter.hold_until_freed(pending.out)
             return started
 
-        yield from _pipelined(len(self._visits), start, self._finish, self._sizes, self.prefetch_bytes)
+        def finish(k: int, pending: list[tuple[_Slot, _InFlight]]) -> Iterator[tuple[str, torch.Tensor]]:
+            return self._finish(k, pending, meter)
+
+        yield from _pipelined(len(self._visits), start, finish, self._sizes, self.prefetch_bytes)
 
 
 def _flat_gatherable(param: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ from compat.manifest import TensorSpec
 from compat.torch_api import fsdp2_param_groups
 
 from ..memory import MemoryMeter
-from .base import group_units, local_named_parameters, materialize, spec_of
+from .base import group_units, local_named_parameters, spec_of
 
 __all__ = ["FSDP2ParamGatherer", "FSDP2UnitGatherer", "fsdp2_units"]
 
@@ -145,7 +145,7 @@ class FSDP2UnitGatherer:
                 meter.hold(nbytes)
                 try:
                     for name, param in full:
-                        yield name, materialize(param)
+                        yield name, _full_tensor(param, self.compute_device, meter)
                 finally:
                     meter.release(nbytes)
             finally:
