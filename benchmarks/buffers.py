@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from compat.manifest import EngineManifest, PlannedTensor, TensorSpec
+from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor, TensorSpec
 
 __all__ = ["FusedBuffersWriter", "VLLM_PACKED"]
 

@@ -57,9 +57,9 @@ def _measure_backend(
     """TRL's path, our strategies and the floor for one backend, interleaved over `reps` repetitions."""
     from transformers import AutoModelForCausalLM
 
-    from compat.engine_api import engine_handle
-    from compat.layout import IdentityLayout
-    from compat.names import NameRules, canonical_name
+    from fsdp_sync.compat.engine_api import engine_handle
+    from fsdp_sync.compat.layout import IdentityLayout
+    from fsdp_sync.compat.names import NameRules, canonical_name
     from fsdp_sync.backend import detect_backend
     from fsdp_sync.gather import make_gatherer
     from fsdp_sync.memory import MemoryMeter

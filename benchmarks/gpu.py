@@ -41,8 +41,8 @@ def _measure_backend(
     """TRL's path, our strategies and the floor for one backend, interleaved over `reps` repetitions."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from compat.layout import IdentityLayout
-    from compat.names import NameRules, canonical_name
+    from fsdp_sync.compat.layout import IdentityLayout
+    from fsdp_sync.compat.names import NameRules, canonical_name
     from fsdp_sync.backend import detect_backend
     from fsdp_sync.gather import make_gatherer
     from fsdp_sync.pipeline import WeightSync, build_plan

@@ -1,29 +1,56 @@
-"""fsdp-vllm-sync: correct, memory-bounded weight sync from FSDP1/FSDP2/DDP trainers into vLLM."""
+"""fsdp-vllm-sync: correct, memory-bounded weight sync from FSDP1/FSDP2/DDP trainers into vLLM.
 
-from .backend import Backend, UnsupportedBackendError, detect_backend
-from .config import SyncConfig
-from .gather import make_gatherer
-from .mixin import FSDPVLLMSyncMixin
-from .peft_merge import PeftMerge, UnsupportedAdapterError
-from .pipeline import IncompleteSyncError, SyncPlan, WeightSync
-from .report import SyncReport
-from .writers import ColocateWriter, EnginePushError, EngineWriter, ServerWriter
+The public names load lazily (PEP 562): the weight-transfer engine that runs inside a vLLM server process
+(`fsdp_sync.transfer`) and the pure `fsdp_sync.compat` tables import this package without pulling in the gatherers,
+the mixin or FSDP.
+"""
 
-__all__ = [
-    "Backend",
-    "ColocateWriter",
-    "EnginePushError",
-    "EngineWriter",
-    "FSDPVLLMSyncMixin",
-    "IncompleteSyncError",
-    "PeftMerge",
-    "ServerWriter",
-    "SyncConfig",
-    "SyncPlan",
-    "SyncReport",
-    "UnsupportedAdapterError",
-    "UnsupportedBackendError",
-    "WeightSync",
-    "detect_backend",
-    "make_gatherer",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> the submodule that defines it.
+_EXPORTS: dict[str, str] = {
+    "Backend": "backend",
+    "ColocateWriter": "writers",
+    "EnginePushError": "writers",
+    "EngineWriter": "writers",
+    "FSDPVLLMSyncMixin": "mixin",
+    "IncompleteSyncError": "pipeline",
+    "PeftMerge": "peft_merge",
+    "ServerWriter": "writers",
+    "SyncConfig": "config",
+    "SyncPlan": "pipeline",
+    "SyncReport": "report",
+    "UnsupportedAdapterError": "peft_merge",
+    "UnsupportedBackendError": "backend",
+    "WeightSync": "pipeline",
+    "detect_backend": "backend",
+    "make_gatherer": "gather",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .backend import Backend, UnsupportedBackendError, detect_backend
+    from .config import SyncConfig
+    from .gather import make_gatherer
+    from .mixin import FSDPVLLMSyncMixin
+    from .peft_merge import PeftMerge, UnsupportedAdapterError
+    from .pipeline import IncompleteSyncError, SyncPlan, WeightSync
+    from .report import SyncReport
+    from .writers import ColocateWriter, EnginePushError, EngineWriter, ServerWriter
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdp_sync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

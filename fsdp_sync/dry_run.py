@@ -86,10 +86,10 @@ def dry_run(
 
     Needs an initialised torch.distributed group for the FSDP backends (`main` makes a single-process one).
     """
-    from compat.checkpoint import read_checkpoint_manifest
-    from compat.layout import layout_for
-    from compat.manifest import ManifestError, check_plan
-    from compat.names import NameRules
+    from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
+    from fsdp_sync.compat.layout import layout_for
+    from fsdp_sync.compat.manifest import ManifestError, check_plan
+    from fsdp_sync.compat.names import NameRules
 
     from .backend import detect_backend, user_model
     from .config import SyncConfig

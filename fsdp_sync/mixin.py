@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from compat.layout import layout_for
-from compat.names import NameRules
-from compat.trl_api import (
+from fsdp_sync.compat.layout import layout_for
+from fsdp_sync.compat.names import NameRules
+from fsdp_sync.compat.trl_api import (
     MOVE_MODEL_TO_VLLM,
     TRLSyncTarget,
     find_sync_target,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from compat.names import Dropped, NameRules, canonical_name
+from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 
 __all__ = ["PeftMerge", "UnsupportedAdapterError"]
 

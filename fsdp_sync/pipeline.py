@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compat.layout import IdentityLayout, Layout
-from compat.manifest import ManifestError, PlannedTensor, TensorSpec, check_plan
-from compat.names import Dropped, NameRules, canonical_name
+from fsdp_sync.compat.layout import IdentityLayout, Layout
+from fsdp_sync.compat.manifest import ManifestError, PlannedTensor, TensorSpec, check_plan
+from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 
 from .distributed import all_ranks_ok
 from .gather.base import Gatherer

@@ -28,3 +28,29 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
         return built[family]
 
     return get
+
+
+_TESTS_ROOT = Path(__file__).resolve().parent
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Fail a whole-suite run when a test folder collects nothing.
+
+    Why: pytest's default `norecursedirs` silently skipped `tests/dist` for months (see pyproject.toml). When the run
+    covers the whole `tests/` tree with no selection, every folder holding `test_*.py` files must contribute at least
+    one collected test (skipped ones count); otherwise the run stops naming the folders.
+    """
+    config = session.config
+    if config.option.keyword or config.option.markexpr:
+        return
+    args = [Path(a.split("::")[0]).resolve() for a in config.args]
+    if _TESTS_ROOT not in args:
+        return
+    folders = {p.parent for p in _TESTS_ROOT.rglob("test_*.py")}
+    collected = {Path(str(item.path)).resolve().parent for item in session.items}
+    silent = sorted(str(f.relative_to(_TESTS_ROOT.parent)) for f in folders if f not in collected)
+    if silent:
+        raise pytest.UsageError(
+            f"These test folders collected no test: {', '.join(silent)}. Check pytest's norecursedirs and the "
+            "folders' names (pytest skips 'dist' and 'build' by default)."
+        )

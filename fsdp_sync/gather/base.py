@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from compat.manifest import TensorSpec
+from fsdp_sync.compat.manifest import TensorSpec
 
 from ..memory import MemoryMeter
 

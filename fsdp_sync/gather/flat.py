@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from compat.manifest import CASTABLE_DTYPES, TensorSpec
+from fsdp_sync.compat.manifest import CASTABLE_DTYPES, TensorSpec
 
 from ..memory import MemoryMeter
 from .base import local_named_parameters, spec_of

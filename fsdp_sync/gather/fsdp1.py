@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from compat.manifest import TensorSpec
+from fsdp_sync.compat.manifest import TensorSpec
 
 from ..memory import MemoryMeter
 from .base import group_units

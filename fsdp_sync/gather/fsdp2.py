@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from compat.manifest import TensorSpec
-from compat.torch_api import fsdp2_param_groups
+from fsdp_sync.compat.manifest import TensorSpec
+from fsdp_sync.compat.torch_api import fsdp2_param_groups
 
 from ..memory import MemoryMeter
 from .base import group_units, local_named_parameters, spec_of

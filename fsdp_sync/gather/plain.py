@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from compat.manifest import TensorSpec
+from fsdp_sync.compat.manifest import TensorSpec
 
 from ..memory import MemoryMeter
 from .base import spec_of

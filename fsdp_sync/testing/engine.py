@@ -43,7 +43,7 @@ def keep_engine_weights_readable() -> None:
 
 def engine_state(llm: Any) -> dict[str, torch.Tensor]:
     """A copy of every engine parameter, by the engine's (fused) names."""
-    from compat.engine_api import engine_handle
+    from fsdp_sync.compat.engine_api import engine_handle
 
     model = engine_handle(llm).model
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -90,7 +90,7 @@ def reference_engine_state(llm: Any, checkpoint: dict[str, torch.Tensor]) -> dic
 
     The engine is left holding `checkpoint`; compare with a snapshot taken right after the sync under test.
     """
-    from compat.engine_api import engine_handle
+    from fsdp_sync.compat.engine_api import engine_handle
 
     engine_handle(llm).push(iter(list(checkpoint.items())))
     return engine_state(llm)

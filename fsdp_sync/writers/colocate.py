@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from compat.checkpoint import read_checkpoint_manifest
-from compat.engine_api import EngineHandle, engine_handle, reset_prefix_cache, wake_up_weights
-from compat.manifest import EngineManifest, PlannedTensor
+from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
+from fsdp_sync.compat.engine_api import EngineHandle, engine_handle, reset_prefix_cache, wake_up_weights
+from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 
 __all__ = ["ColocateWriter", "EnginePushError"]
 

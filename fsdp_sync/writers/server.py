@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from compat.checkpoint import read_checkpoint_manifest
-from compat.manifest import EngineManifest, PlannedTensor
+from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
+from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 
 __all__ = ["ServerWriter"]
 

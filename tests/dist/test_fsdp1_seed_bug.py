@@ -13,7 +13,7 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from compat.names import canonical_name
+from fsdp_sync.compat.names import canonical_name
 from fsdp_sync.gather import FSDP1FlatGatherer, FSDP1RootSummonGatherer, FSDP1UnitGatherer
 from fsdp_sync.memory import MemoryMeter
 from fsdp_sync.testing.dist import run_distributed

@@ -11,7 +11,7 @@ import torch
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from compat.names import canonical_name
+from fsdp_sync.compat.names import canonical_name
 from fsdp_sync.backend import detect_backend
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.gather import make_gatherer

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from compat.layout import IdentityLayout
-from compat.manifest import EngineManifest, PlannedTensor, TensorSpec
-from compat.names import NameRules
+from fsdp_sync.compat.layout import IdentityLayout
+from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor, TensorSpec
+from fsdp_sync.compat.names import NameRules
 from fsdp_sync.backend import detect_backend, user_model
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.gather import make_gatherer

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from compat.checkpoint import read_checkpoint_manifest, resolve_checkpoint_dir, tied_word_embeddings
-from compat.manifest import TensorSpec
+from fsdp_sync.compat.checkpoint import read_checkpoint_manifest, resolve_checkpoint_dir, tied_word_embeddings
+from fsdp_sync.compat.manifest import TensorSpec
 
 
 def _write_config(directory: Path, config: dict) -> None:

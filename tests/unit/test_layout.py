@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compat.layout import IdentityLayout, TransformersLayout, layout_for
-from compat.manifest import PlannedTensor, TensorSpec
+from fsdp_sync.compat.layout import IdentityLayout, TransformersLayout, layout_for
+from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
 from fsdp_sync.testing.models import read_checkpoint
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compat.manifest import EngineManifest, ManifestError, PlannedTensor, TensorSpec, check_plan
+from fsdp_sync.compat.manifest import EngineManifest, ManifestError, PlannedTensor, TensorSpec, check_plan
 
 F32 = torch.float32
 EMBED = "model.embed_tokens.weight"

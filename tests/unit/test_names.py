@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compat.names import (
+from fsdp_sync.compat.names import (
     ANYWHERE_WRAPPER_SEGMENTS,
     LORA_ADAPTER_SEGMENTS,
     NON_ENGINE_HEADS,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from compat.names import NameRules, canonical_name
+from fsdp_sync.compat.names import NameRules, canonical_name
 from fsdp_sync.peft_merge import PeftMerge, UnsupportedAdapterError
 from fsdp_sync.testing.models import build_tiny_checkpoint
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from compat.layout import IdentityLayout
-from compat.manifest import EngineManifest, ManifestError, PlannedTensor, TensorSpec
-from compat.names import NameRules, canonical_name
+from fsdp_sync.compat.layout import IdentityLayout
+from fsdp_sync.compat.manifest import EngineManifest, ManifestError, PlannedTensor, TensorSpec
+from fsdp_sync.compat.names import NameRules, canonical_name
 from fsdp_sync.distributed import all_ranks_ok
 from fsdp_sync.memory import MemoryMeter
 from fsdp_sync.pipeline import IncompleteSyncError, SyncPlan, WeightSync, build_plan

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from compat.manifest import TensorSpec
-from compat.names import NameRules
+from fsdp_sync.compat.manifest import TensorSpec
+from fsdp_sync.compat.names import NameRules
 from fsdp_sync.pipeline import WeightSync
 from fsdp_sync.writers import ServerWriter
 

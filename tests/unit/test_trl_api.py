@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from compat.trl_api import MOVE_MODEL_TO_VLLM, VLLM_GENERATION, TRLSyncTarget, find_sync_target, mark_weights_awake
+from fsdp_sync.compat.trl_api import MOVE_MODEL_TO_VLLM, VLLM_GENERATION, TRLSyncTarget, find_sync_target, mark_weights_awake
 
 
 class _SyncMixin:

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compat.layout import TransformersLayout, layout_for
-from compat.manifest import TensorSpec
-from compat.names import NameRules
+from fsdp_sync.compat.layout import TransformersLayout, layout_for
+from fsdp_sync.compat.manifest import TensorSpec
+from fsdp_sync.compat.names import NameRules
 from fsdp_sync.gather.plain import PlainGatherer
 from fsdp_sync.pipeline import SyncPlan, build_plan
 from fsdp_sync.testing.models import read_checkpoint
