@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EngineHandle", "engine_handle", "reset_prefix_cache", "wake_up_weights"]
+__all__ = ["EngineHandle", "engine_handle", "reset_prefix_cache", "trainer_transfer_engine", "wake_up_weights"]
 
 
 @dataclass(frozen=True)
@@ -116,3 +116,24 @@ def reset_prefix_cache(llm: Any) -> None:
 def wake_up_weights(llm: Any) -> None:
     """Map the engine's weight memory back in before a push when sleep mode is on."""
     llm.wake_up(tags=["weights"])
+
+
+def trainer_transfer_engine(backend: str) -> type:
+    """The trainer-side weight-transfer engine class vLLM has registered for `backend` (e.g. `"nccl"`, `"gloo"`).
+
+    Through vLLM's registry (`WeightTransferTrainerFactory`), so this package's own backends and vLLM's are reached
+    the same way; the class's `init_info_cls` is the init info to build.
+
+    Raises:
+        ValueError: no trainer engine is registered under that name; lists the registered ones.
+    """
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    # NOTE: `_registry` is private, but it is the only way to get a backend's class (and its init-info class)
+    # without constructing an engine, which starts the rendezvous.
+    registry = WeightTransferTrainerFactory._registry
+    if backend not in registry:
+        raise ValueError(
+            f"vLLM has no trainer-side weight-transfer engine {backend!r}; registered: {sorted(registry)}"
+        )
+    return registry[backend]()

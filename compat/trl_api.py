@@ -9,10 +9,20 @@ Detected by feature, never by version:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TRLSyncTarget", "find_sync_target", "log_sync_metrics", "mark_weights_awake"]
+__all__ = [
+    "ServerAddress",
+    "TRLSyncTarget",
+    "defer_trl_weight_communicator",
+    "find_sync_target",
+    "log_sync_metrics",
+    "mark_weights_awake",
+    "server_address",
+]
 
 VLLM_GENERATION = "vllm_generation"
 MOVE_MODEL_TO_VLLM = "_move_model_to_vllm"
@@ -96,3 +106,61 @@ def log_sync_metrics(trainer: Any, metrics: dict[str, float]) -> None:
             buckets[mode][key].append(value)
     else:
         trainer.log(dict(metrics))
+
+
+@dataclass(frozen=True)
+class ServerAddress:
+    """Where a server-mode trainer's vLLM server is, from the trainer's config (TRL's `vllm_server_*` fields).
+
+    Attributes:
+        base_url: e.g. `http://127.0.0.1:8000` (`vllm_server_base_url`, else host and port).
+        startup_timeout_s: how long to wait for the server to come up (`vllm_server_timeout`).
+        group_port: the port the trainer hosts the weight-transfer group on (`vllm_group_port`).
+    """
+
+    base_url: str
+    startup_timeout_s: float
+    group_port: int
+
+
+def server_address(args: Any) -> ServerAddress | None:
+    """The server a trainer config points at, or None unless it uses vLLM in server mode."""
+    if args is None or not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "server":
+        return None
+    base_url = getattr(args, "vllm_server_base_url", None)
+    if not base_url:
+        base_url = f"http://{getattr(args, 'vllm_server_host', '0.0.0.0')}:{getattr(args, 'vllm_server_port', 8000)}"
+    return ServerAddress(
+        base_url=base_url.rstrip("/"),
+        startup_timeout_s=float(getattr(args, "vllm_server_timeout", 240.0)),
+        group_port=int(getattr(args, "vllm_group_port", 51216)),
+    )
+
+
+@contextlib.contextmanager
+def defer_trl_weight_communicator() -> Iterator[None]:
+    """While a trainer is being built, make TRL's `VLLMClient.init_communicator` a no-op.
+
+    Why: TRL 1.x builds vLLM's NCCL weight-transfer group at construction, on the main process; on a machine
+    without CUDA it raises `NotImplementedError`, and a server configured with another backend cannot use it. The
+    mixin sets up the transport the server was started with at the first sync instead. Generation through TRL's
+    client is unaffected (it needs no communicator).
+    """
+    try:
+        from trl.generation.vllm_client import VLLMClient
+    except ImportError:  # TRL without the 1.x client (older trainers build their own, at first use)
+        yield
+        return
+    original = VLLMClient.__dict__.get("init_communicator")
+    if original is None:
+        yield
+        return
+
+    def deferred(self: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    VLLMClient.init_communicator = deferred  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        VLLMClient.init_communicator = original  # type: ignore[method-assign]

@@ -28,6 +28,10 @@ class SyncConfig:
         check_manifest: check names, shapes and dtypes against the engine's checkpoint before the first push.
         checkpoint_dir: the checkpoint the engine was started from, when it is not the engine's model path.
         log_metrics: add the sync figures to the trainer's logged metrics.
+        server_timeout_s: server mode: the bound on each wait the transfer adds (the rendezvous with the server,
+            each HTTP answer, each broadcast of a chunk); past it the sync fails on every rank instead of hanging.
+        server_buffer_bytes: server mode: the size of one chunk on the wire (and of the send/receive buffers, two
+            on the trainer's sender, one on each server worker).
     """
 
     fsdp1_strategy: str = "flat"
@@ -36,11 +40,17 @@ class SyncConfig:
     check_manifest: bool = True
     checkpoint_dir: str | None = None
     log_metrics: bool = True
+    server_timeout_s: float = 300.0
+    server_buffer_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         if self.fsdp1_strategy not in _FSDP1:
             raise ValueError(f"fsdp1_strategy={self.fsdp1_strategy!r}; valid: {list(_FSDP1)}")
         if self.prefetch_bytes < 0:
             raise ValueError(f"prefetch_bytes={self.prefetch_bytes}; must be >= 0 (0 disables the overlap)")
+        if self.server_timeout_s <= 0:
+            raise ValueError(f"server_timeout_s={self.server_timeout_s}; must be > 0")
+        if self.server_buffer_bytes <= 0:
+            raise ValueError(f"server_buffer_bytes={self.server_buffer_bytes}; must be > 0")
         if self.fsdp2_strategy not in _FSDP2:
             raise ValueError(f"fsdp2_strategy={self.fsdp2_strategy!r}; valid: {list(_FSDP2)}")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_ranks_ok", "rank"]
+__all__ = ["RankFailure", "agree_on_failures", "all_ranks_ok", "rank"]
 
 
 def rank() -> int:
@@ -23,3 +25,30 @@ def all_ranks_ok(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What failed on one rank: the stage (`"push"`, `"gather"`, ...) and the error, as text."""
+
+    rank: int
+    stage: str
+    error: str
+
+    def describe(self) -> str:
+        return f"rank {self.rank} ({self.stage}): {self.error}"
+
+
+def agree_on_failures(failure: RankFailure | None) -> list[RankFailure]:
+    """Every rank's failure, on every rank (empty when none failed).
+
+    One int all-reduce when all went well; only after a failure do the ranks exchange their messages, so that each
+    rank can name the failing ones. Every rank must call it at the same point of the sync.
+    """
+    if not all_ranks_ok(failure is None):
+        if not (dist.is_available() and dist.is_initialized()):
+            return [failure] if failure is not None else []
+        gathered: list[RankFailure | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, failure)
+        return [f for f in gathered if f is not None]
+    return []

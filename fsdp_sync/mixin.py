@@ -9,8 +9,9 @@ Everything else about the trainer is unchanged.
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,10 +19,13 @@ from fsdp_sync.compat.layout import layout_for
 from fsdp_sync.compat.names import NameRules
 from fsdp_sync.compat.trl_api import (
     MOVE_MODEL_TO_VLLM,
+    ServerAddress,
     TRLSyncTarget,
+    defer_trl_weight_communicator,
     find_sync_target,
     log_sync_metrics,
     mark_weights_awake,
+    server_address,
 )
 
 from .backend import Backend, detect_backend, user_model
@@ -30,7 +34,10 @@ from .gather import make_gatherer
 from .peft_merge import PeftMerge
 from .pipeline import SyncPlan, WeightSync
 from .report import SyncReport
-from .writers import ColocateWriter, EngineWriter, ServerWriter
+from .writers import ColocateWriter, EngineWriter
+
+if TYPE_CHECKING:
+    from fsdp_sync.compat.server_api import ServerInfo
 
 __all__ = ["FSDPVLLMSyncMixin"]
 
@@ -50,8 +57,26 @@ class FSDPVLLMSyncMixin:
     _fvs_is_sync_mixin = True
 
     def __init__(self, *args: Any, sync_config: SyncConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.sync_config = sync_config or SyncConfig()
+        config = sync_config or SyncConfig()
+        init = super().__init__
+        try:
+            trainer_args = inspect.signature(init).bind_partial(*args, **kwargs).arguments.get("args")
+        except TypeError:  # let the trainer's own constructor report bad arguments
+            trainer_args = None
+        self._fvs_server_address: ServerAddress | None = server_address(trainer_args)
+        self._fvs_server_info: ServerInfo | None = None
+        if self._fvs_server_address is not None:
+            from .writers.server import check_server
+
+            # NOTE: on every rank, before the trainer is built: TRL checks the server on the main process only, and
+            # a failure there leaves the other ranks waiting in the barrier that follows. The transport is the
+            # server's own (chosen at the first sync), so TRL's CUDA-only communicator set-up is deferred.
+            self._fvs_server_info = check_server(self._fvs_server_address, timeout_s=config.server_timeout_s)
+            with defer_trl_weight_communicator():
+                init(*args, **kwargs)
+        else:
+            init(*args, **kwargs)
+        self.sync_config = config
         self.sync_reports: list[SyncReport] = []
         self._fvs_sync: WeightSync | None = None
         self._fvs_model: torch.nn.Module | None = None
@@ -89,9 +114,25 @@ class FSDPVLLMSyncMixin:
             case "colocate":
                 return ColocateWriter(target.llm, checkpoint_dir=checkpoint, wake_up_first=target.sleep_mode)
             case "server":
-                model = user_model(self.model)  # type: ignore[attr-defined]
-                path = checkpoint or getattr(getattr(model, "config", None), "_name_or_path", "")
-                return ServerWriter(target.client, checkpoint_dir=path)
+                from .server_client import ServerClient
+                from .writers.server import ServerWriter
+
+                address, info = self._fvs_server_address, self._fvs_server_info
+                if address is None or info is None:
+                    raise RuntimeError(
+                        "server mode without a server address in the trainer's args (use_vllm=True, "
+                        "vllm_mode='server', vllm_server_base_url or vllm_server_host/port); not supported"
+                    )
+                config = self.sync_config
+                main = self.accelerator.is_main_process  # type: ignore[attr-defined]
+                return ServerWriter(
+                    ServerClient(address.base_url, timeout=config.server_timeout_s) if main else None,
+                    info,
+                    group_port=address.group_port,
+                    checkpoint_dir=checkpoint,
+                    buffer_bytes=config.server_buffer_bytes,
+                    timeout_s=config.server_timeout_s,
+                )
             case other:
                 raise ValueError(f"vLLM mode {other!r} is not supported; valid: 'colocate', 'server'")
 

@@ -13,20 +13,24 @@ from fsdp_sync.compat.layout import IdentityLayout, Layout
 from fsdp_sync.compat.manifest import ManifestError, PlannedTensor, TensorSpec, check_plan
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 
-from .distributed import all_ranks_ok
+from .distributed import RankFailure, agree_on_failures, all_ranks_ok, rank
 from .gather.base import Gatherer
 from .memory import MemoryMeter
 from .peft_merge import PeftMerge
 from .report import SyncReport
 from .writers.base import EngineWriter
 
-__all__ = ["IncompleteSyncError", "SyncPlan", "WeightSync", "build_plan"]
+__all__ = ["IncompleteSyncError", "RemoteSyncError", "SyncPlan", "WeightSync", "build_plan"]
 
 logger = logging.getLogger(__name__)
 
 
 class IncompleteSyncError(RuntimeError):
     """The gather produced a different set of parameters than planned (the model changed under the sync)."""
+
+
+class RemoteSyncError(RuntimeError):
+    """The sync failed on another rank; raised on this rank so that every rank stops at the same point."""
 
 
 @dataclass(frozen=True)
@@ -159,26 +163,50 @@ class WeightSync:
                 f"{' ...' if len(missing) > 10 else ''}. The model structure changed after the first sync."
             )
 
+    def _push(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Hand the stream to the writer, then agree with every rank on the outcome before anyone goes on.
+
+        NOTE: the gather inside the stream is a sequence of collectives that every rank runs. A writer that fails
+        part-way (a dead server, an engine error) stops consuming it; the rest of the stream is then drained here so
+        that this rank still enters every collective the other ranks are waiting in. Only then do all ranks agree on
+        the outcome (one int all-reduce), so a failure on any rank is raised on every rank and none blocks.
+        """
+        error: Exception | None = None
+        if self.writer.pushes:
+            try:
+                self.writer.write(stream)
+            except Exception as e:
+                error = e
+        leftover = sum(1 for _ in stream)
+        if error is None and leftover and self.writer.pushes:
+            error = IncompleteSyncError(
+                f"{self.writer.kind} stopped {leftover} tensor(s) before the end of the weight stream"
+            )
+        failure = RankFailure(rank(), "push", f"{type(error).__name__}: {error}") if error is not None else None
+        failures = agree_on_failures(failure)
+        if error is not None:
+            raise error
+        if failures:
+            raise RemoteSyncError(
+                "The weight sync failed on "
+                + "; ".join(f.describe() for f in failures)
+                + ". This rank took part in every gather and stopped with the others; see the failing rank's error."
+            )
+        if self.writer.pushes:
+            self.writer.finish()
+
     def sync(self) -> SyncReport:
-        """Gather, map, cast and push every parameter once; every rank must call it (it runs collectives)."""
+        """Gather, map, cast and push every parameter once; every rank must call it (it runs collectives).
+
+        Raises:
+            The push's own error on a rank whose writer failed, and `RemoteSyncError` on every other rank, after all
+            ranks have finished the gather (see `_push`).
+        """
         plan = self.plan()
         counts = {"bytes": 0, "tensors": 0}
         self.meter.start()
         start = time.perf_counter()
-        stream = self._stream(plan, counts)
-        if self.writer.pushes:
-            self.writer.write(stream)
-            # A writer must consume the whole stream. Drain it anyway before raising: the rest of the gather holds
-            # collectives the other ranks are waiting in.
-            leftover = sum(1 for _ in stream)
-            if leftover:
-                raise IncompleteSyncError(
-                    f"{self.writer.kind} stopped {leftover} tensor(s) before the end of the weight stream"
-                )
-            self.writer.finish()
-        else:
-            for _ in stream:
-                pass
+        self._push(self._stream(plan, counts))
         if self.meter.device.type == "cuda":
             torch.cuda.synchronize(self.meter.device)
         seconds = time.perf_counter() - start

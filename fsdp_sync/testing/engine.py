@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 from collections.abc import Iterator
 import tempfile
 from typing import Any
@@ -17,11 +18,14 @@ import torch
 
 __all__ = [
     "compare_states",
+    "digest_check",
+    "expected_engine_tensor",
     "engine_state",
     "expected_checkpoint_state",
     "fused_direct_check",
     "keep_engine_weights_readable",
     "reference_engine_state",
+    "tensor_digest",
 ]
 
 
@@ -110,6 +114,22 @@ def compare_states(got: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
     return problems
 
 
+def expected_engine_tensor(
+    name: str, checkpoint: dict[str, torch.Tensor], packed: dict[str, list[str]]
+) -> torch.Tensor | None:
+    """The checkpoint tensor an engine weight must equal: itself, or its parts concatenated where vLLM fuses them
+    (`packed` is the engine model's `packed_modules_mapping`, e.g. `qkv_proj: [q_proj, k_proj, v_proj]`); None when
+    it has no direct counterpart (e.g. fused experts)."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if last in packed:
+        parts = [f"{parent}.{p}.{leaf}" for p in packed[last]]
+        if not all(p in checkpoint for p in parts):
+            return None
+        return torch.cat([checkpoint[p] for p in parts], dim=0)
+    return checkpoint.get(name)
+
+
 def fused_direct_check(
     engine: dict[str, torch.Tensor], checkpoint: dict[str, torch.Tensor], packed: dict[str, list[str]], dtype: torch.dtype
 ) -> tuple[int, list[str]]:
@@ -128,18 +148,43 @@ def fused_direct_check(
     checked = 0
     problems: list[str] = []
     for name, value in engine.items():
-        module, _, leaf = name.rpartition(".")
-        parent, _, last = module.rpartition(".")
-        if last in packed:
-            parts = [f"{parent}.{p}.{leaf}" for p in packed[last]]
-            if not all(p in checkpoint for p in parts):
-                continue
-            expected = torch.cat([checkpoint[p] for p in parts], dim=0)
-        elif name in checkpoint:
-            expected = checkpoint[name]
-        else:
+        expected = expected_engine_tensor(name, checkpoint, packed)
+        if expected is None:
             continue
         checked += 1
         if not torch.equal(value, expected.to(dtype)):
             problems.append(f"{name}: engine differs from the trainer's full weight")
+    return checked, problems
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes, computed as vLLM's `/weight_checker` does (`compute_tensor_digests`)."""
+    return hashlib.sha256(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+_EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
+
+
+def digest_check(
+    engine_digests: dict[str, str],
+    checkpoint: dict[str, torch.Tensor],
+    packed: dict[str, list[str]],
+    dtype: torch.dtype,
+) -> tuple[int, list[str]]:
+    """`fused_direct_check` against a server's per-parameter sha256 digests (engine names, worker prefix removed).
+
+    A digest of zero bytes for a tensor that has elements means the server packed the weight away (start it with
+    `--readable-weights`); it is reported, never passed.
+    """
+    checked = 0
+    problems: list[str] = []
+    for name, digest in engine_digests.items():
+        expected = expected_engine_tensor(name, checkpoint, packed)
+        if expected is None:
+            continue
+        checked += 1
+        if digest == _EMPTY_DIGEST and expected.numel() > 0:
+            problems.append(f"{name}: the server hides this weight (packed away); cannot be checked")
+        elif digest != tensor_digest(expected.to(dtype)):
+            problems.append(f"{name}: server weight differs from the trainer's full weight")
     return checked, problems

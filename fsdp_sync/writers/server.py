@@ -1,58 +1,286 @@
-"""Server writer: weights go to a separate `vllm serve` process through TRL's client (vLLM's native NCCL transfer).
+"""Server writer: weights go to a separate vLLM server through vLLM's weight-transfer API.
 
-Only the main process pushes; every other rank still gathers (the collectives need it) and drains the stream.
-The tensors are announced first (names, dtypes, shapes in stream order), as vLLM's weight-transfer protocol requires,
-so the metadata comes from the sync plan, not from a first gather pass as in TRL.
+The transport is the one the server was started with (`--weight-transfer-config '{"backend": ...}'`), chosen once:
+`nccl` (vLLM's own NCCL trainer engine, what TRL uses; CUDA trainers) or `gloo` (this package's CPU backend,
+`fsdp_sync.transfer.gloo`). Both are reached through vLLM's registry of trainer engines and driven through the same
+four-call protocol (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`).
+
+Only the main process sends. The tensors are announced from the sync plan (names, engine dtypes, shapes in stream
+order), so there is no metadata gather pass as in TRL.
+
+Why rank 0's sends never wait on a collective the other ranks are not in: the sender only sends while it iterates
+the sync's stream, and every tensor of that stream comes out of a gather that all ranks run in the same order (the
+other ranks drain the same stream). The transfer group is a separate group of the sender and the server's workers;
+the trainer's ranks run no collective inside it. After a failed send the sender drains the rest of the stream (so
+the gathers complete on every rank) before the ranks agree on the outcome (`WeightSync._push`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+import socket
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
+from fsdp_sync.compat.engine_api import trainer_transfer_engine
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
+from fsdp_sync.compat.server_api import ServerInfo
+from fsdp_sync.compat.trl_api import ServerAddress
+from ..server_client import ServerClient, ServerConfigError, ServerRequestError, ServerUnavailableError
 
-__all__ = ["ServerWriter"]
+__all__ = ["SUPPORTED_BACKENDS", "ServerPushError", "ServerTransportError", "ServerWriter", "check_server"]
+
+logger = logging.getLogger(__name__)
+
+
+class ServerPushError(RuntimeError):
+    """The server refused or failed a weight update (its HTTP answer is in the message)."""
+
+
+class ServerTransportError(RuntimeError):
+    """The transfer group itself failed (connection lost, timeout): a network error, not an engine error."""
+
+
+@dataclass(frozen=True)
+class _Transport:
+    """How to reach one weight-transfer backend from the trainer.
+
+    Attributes:
+        retains_tensors: the trainer engine keeps tensors it was handed until a chunk is complete (NCCL's packed
+            producer concatenates a chunk's tensors lazily); gloo copies each into its chunk at once.
+        init_fields: backend-specific fields of the trainer init info, from (master address, port, world size,
+            buffer bytes, timeout).
+        requires_cuda: the backend runs only on a CUDA trainer.
+    """
+
+    retains_tensors: bool
+    init_fields: Callable[[str, int, int, int, float], dict[str, Any]]
+    requires_cuda: bool
+
+
+_TRANSPORTS: dict[str, _Transport] = {
+    "nccl": _Transport(
+        retains_tensors=True,
+        init_fields=lambda address, port, world, buffer, timeout: {
+            "master_address": address,
+            "master_port": port,
+            "world_size": world,
+            "packed": True,
+            "packed_buffer_size_bytes": buffer,
+        },
+        requires_cuda=True,
+    ),
+    "gloo": _Transport(
+        retains_tensors=False,
+        init_fields=lambda address, port, world, buffer, timeout: {
+            "master_address": address,
+            "master_port": port,
+            "world_size": world,
+            "buffer_bytes": buffer,
+            "timeout_s": timeout,
+        },
+        requires_cuda=False,
+    ),
+}
+SUPPORTED_BACKENDS: tuple[str, ...] = tuple(_TRANSPORTS)
+
+
+def transport_for(info: ServerInfo) -> _Transport:
+    """The transport for the server's configured backend, decided once.
+
+    Raises:
+        ServerConfigError: the server has no weight-transfer backend, or one this writer does not drive, or one that
+            needs CUDA on a trainer without it; says how to restart the server.
+    """
+    backend = info.weight_transfer_backend
+    if backend is None:
+        raise ServerConfigError(
+            "The vLLM server was started without a weight-transfer backend, so weights cannot be sent to it. Restart "
+            "it with --weight-transfer-config '{\"backend\": \"nccl\"}' (CUDA trainer and server) or "
+            "'{\"backend\": \"gloo\"}' (any machine; needs fsdp-vllm-sync installed on the server), and "
+            "VLLM_SERVER_DEV_MODE=1."
+        )
+    transport = _TRANSPORTS.get(backend)
+    if transport is None:
+        raise ServerConfigError(
+            f"The vLLM server uses the weight-transfer backend {backend!r}; fsdp-vllm-sync supports "
+            f"{list(SUPPORTED_BACKENDS)}. Restart the server with one of them."
+        )
+    if transport.requires_cuda and not torch.cuda.is_available():
+        raise ServerConfigError(
+            f"The vLLM server uses the {backend!r} weight-transfer backend, which needs CUDA on the trainer; this "
+            "trainer has none. Restart the server with --weight-transfer-config '{\"backend\": \"gloo\"}'."
+        )
+    return transport
+
+
+def check_server(address: ServerAddress, *, timeout_s: float) -> ServerInfo:
+    """Wait for the server (up to the trainer's `vllm_server_timeout`) and check it can take weights.
+
+    Raises:
+        ServerUnavailableError: not up in time.
+        ServerConfigError: no weight-transfer backend, an unsupported one, or no development routes.
+    """
+    client = ServerClient(address.base_url, timeout=timeout_s)
+    client.wait_until_up(address.startup_timeout_s)
+    info = client.server_info()
+    transport_for(info)
+    return info
+
+
+class _PlanSource(WeightSource):
+    """The `WeightSource` vLLM's trainer engines read: metadata from the plan, tensors from this sync's stream."""
+
+    def __init__(self, meta: list[ParamMeta]) -> None:
+        self._meta = meta
+        self._stream: Iterable[tuple[str, torch.Tensor]] | None = None
+
+    def metadata(self) -> list[ParamMeta]:
+        return self._meta
+
+    def feed(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._stream is None:
+            raise RuntimeError("the weight stream of this sync was already consumed")
+        stream, self._stream = self._stream, None
+        return iter(stream)
+
+
+def local_address_towards(base_url: str) -> str:
+    """This host's address on the interface that routes to the server (what the server's workers connect to)."""
+    host = urlparse(base_url).hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: no packet is sent
+        return s.getsockname()[0]
 
 
 class ServerWriter:
-    """Push through `trl.generation.vllm_client.VLLMClient.update_named_params`.
+    """Push into a vLLM server through its weight-transfer API.
 
     Args:
-        client: the TRL client (main process), or None on the other ranks.
-        checkpoint_dir: the checkpoint the server was started from (the trainer's model path by default).
-        engine_dtype: dtype to send floating tensors in (None: the trainer's dtype, as TRL does).
+        client: the server's control client on the main process; None on the other ranks (they do not send).
+        info: the server's configuration (read on every rank before the trainer was built).
+        group_port: the TCP port the sender hosts the transfer group on (TRL's `vllm_group_port`).
+        checkpoint_dir: the checkpoint the server was started from, for the manifest (default: `info.model`).
+        buffer_bytes: chunk size on the wire.
+        timeout_s: the bound on each wait of the transfer.
     """
 
-    kind = "server:trl-client"
-    retains_tensors = True  # vLLM's packed broadcast concatenates a chunk of tensors before sending it
-
-    def __init__(self, client: Any, *, checkpoint_dir: str, engine_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        client: ServerClient | None,
+        info: ServerInfo,
+        *,
+        group_port: int,
+        checkpoint_dir: str | None = None,
+        buffer_bytes: int,
+        timeout_s: float,
+    ) -> None:
         self.client = client
+        self.info = info
+        self.transport = transport_for(info)
+        self.backend = info.weight_transfer_backend
+        self.kind = f"server:{self.backend}"
         self.pushes = client is not None
-        self.checkpoint_dir = checkpoint_dir
-        self.engine_dtype = engine_dtype
-        self._planned: Sequence[PlannedTensor] = ()
+        self.retains_tensors = self.transport.retains_tensors
+        self.engine_dtype: torch.dtype | None = info.dtype
+        self.checkpoint_dir = checkpoint_dir or info.model
+        self.group_port = group_port
+        self.buffer_bytes = buffer_bytes
+        self.timeout_s = timeout_s
+        self._source: _PlanSource | None = None
+        self._engine: Any = None
+        self._round_open = False
 
     def manifest(self) -> EngineManifest:
-        return read_checkpoint_manifest(self.checkpoint_dir, engine_dtype=self.engine_dtype)
+        try:
+            return read_checkpoint_manifest(self.checkpoint_dir, engine_dtype=self.engine_dtype)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"{e}. The server was started from {self.info.model!r}, which this trainer cannot read; set "
+                "SyncConfig(checkpoint_dir=...) to a local copy of that checkpoint."
+            ) from e
 
     def prepare(self, planned: Sequence[PlannedTensor]) -> None:
-        """Record the stream order; called once per plan."""
-        self._planned = planned
+        """The announced metadata, in stream order and in the dtype each tensor is sent in."""
 
-    def _metadata(self) -> list[tuple[str, str, list[int]]]:
-        def dtype_name(spec_dtype: torch.dtype) -> str:
-            dtype = self.engine_dtype if (self.engine_dtype is not None and spec_dtype.is_floating_point) else spec_dtype
-            return str(dtype).removeprefix("torch.")
+        def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+            return self.engine_dtype if (self.engine_dtype is not None and dtype.is_floating_point) else dtype
 
-        return [(t.name, dtype_name(t.spec.dtype), list(t.spec.shape)) for t in self._planned]
+        self._source = _PlanSource([ParamMeta(t.name, wire_dtype(t.spec.dtype), tuple(t.spec.shape)) for t in planned])
+
+    def _connect(self) -> Any:
+        """The handshake with the server (first sync, and the sync after a failed one)."""
+        assert self.client is not None and self._source is not None and self.backend is not None
+        if self._round_open:
+            # A failed round may have left the server's update session open; close it (no-op error if it is not).
+            try:
+                self.client.finish_weight_update()
+            except ServerRequestError:
+                pass
+            self._round_open = False
+        from ..transfer.plugin import register
+
+        register()
+        engine_cls = trainer_transfer_engine(self.backend)
+        world_size = 1 + self.client.world_size()
+        fields = self.transport.init_fields(
+            local_address_towards(self.client.base_url), self.group_port, world_size, self.buffer_bytes, self.timeout_s
+        )
+        init_info = engine_cls.init_info_cls(**fields, rank=0)
+        engine = engine_cls.trainer_init(init_info, client=self.client, source=self._source)
+        logger.info(
+            "weight sync: %s transfer to %s set up (%d server worker(s), port %d)",
+            self.backend,
+            self.client.base_url,
+            world_size - 1,
+            self.group_port,
+        )
+        return engine
 
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.client.update_named_params(self._metadata(), iter(weights))
+        assert self._source is not None, "prepare() must be called first"
+        stage = "connect"
+        try:
+            if self._engine is None:
+                self._engine = self._connect()
+            stage = "send"
+            self._source.feed(weights)
+            self._round_open = True
+            self._engine.send_weights()
+            self._round_open = False
+        except (ServerRequestError, ServerConfigError) as e:
+            self._engine = None
+            raise ServerPushError(
+                f"The vLLM server failed the weight update ({stage}): {e}. {self._state_note(stage)}"
+            ) from e
+        except ServerUnavailableError as e:
+            self._engine = None
+            raise ServerTransportError(f"The vLLM server became unreachable ({stage}): {e}. {self._state_note(stage)}") from e
+        except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+            self._engine = None
+            raise ServerTransportError(
+                f"The {self.backend} weight transfer to {self.info.model!r} failed ({stage}; "
+                f"{type(e).__name__}: {e}). {self._state_note(stage)}"
+            ) from e
+
+    @staticmethod
+    def _state_note(stage: str) -> str:
+        if stage == "connect":
+            return "No weight was sent; the server keeps its previous weights. The next sync tries to connect again."
+        return (
+            "The server may hold a mix of old and new weights (layers that received only part of theirs are "
+            "undefined) until the next complete sync, which reconnects and sends every weight."
+        )
 
     def finish(self) -> None:
+        assert self.client is not None
         self.client.reset_prefix_cache()

@@ -1,0 +1,111 @@
+"""The vLLM server routes a weight sync uses, each call bounded in time and never retried.
+
+Why not TRL's `VLLMClient` for these: it retries POSTs up to 5 times with exponential back-off (about a minute against
+a dead server) and builds NCCL only. A sync must fail within a known time, on every rank. The four weight-update
+calls come from vLLM's own `HTTPVLLMWeightSyncClient` (the `VLLMWeightSyncClient` protocol its trainer engines
+drive); this subclass adds the routes around them and error messages that carry the server's answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+from fsdp_sync.compat.server_api import ServerInfo, parse_server_info
+
+__all__ = [
+    "ServerClient",
+    "ServerConfigError",
+    "ServerRequestError",
+    "ServerUnavailableError",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class ServerUnavailableError(ConnectionError):
+    """The vLLM server cannot be reached (not started, wrong address, or it died)."""
+
+
+class ServerConfigError(RuntimeError):
+    """The server runs, but not in a way a weight sync can use (no weight-transfer backend, no dev routes, ...)."""
+
+
+class ServerRequestError(RuntimeError):
+    """The server answered a weight-sync request with an error; the message carries its answer."""
+
+
+class ServerClient(HTTPVLLMWeightSyncClient):
+    """Talks to one vLLM server (`vllm serve` / `trl vllm-serve`, started with `VLLM_SERVER_DEV_MODE=1`).
+
+    Args:
+        base_url: e.g. `http://127.0.0.1:8000`.
+        timeout: seconds each request may take (a weight update's `/update_weights` lasts the whole transfer).
+    """
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        super().__init__(base_url, timeout=timeout)
+
+    def _request(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        import requests
+
+        url = f"{self.base_url}/{path}"
+        try:
+            response = requests.request(method, url, timeout=timeout or self.timeout, **kwargs)
+        except requests.exceptions.Timeout as e:
+            raise ServerUnavailableError(
+                f"the vLLM server at {self.base_url} did not answer {method} /{path} within "
+                f"{timeout or self.timeout:.0f} s"
+            ) from e
+        except requests.exceptions.ConnectionError as e:
+            raise ServerUnavailableError(f"the vLLM server at {self.base_url} cannot be reached ({method} /{path})") from e
+        if response.status_code == 404 and path != "health":
+            raise ServerConfigError(
+                f"the vLLM server at {self.base_url} has no route /{path}: start it with VLLM_SERVER_DEV_MODE=1 "
+                "(the weight-update routes are development routes)"
+            )
+        if response.status_code != 200:
+            raise ServerRequestError(
+                f"the vLLM server at {self.base_url} answered {method} /{path} with HTTP {response.status_code}: "
+                f"{response.text[:2000]}"
+            )
+        return response.json() if response.content else None
+
+    def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+        self._request("POST", path, json=json)
+
+    def wait_until_up(self, total_timeout: float, interval: float = 1.0) -> None:
+        """Poll `/health` until it answers 200 (a server still loading its model answers nothing).
+
+        Raises:
+            ServerUnavailableError: no healthy answer within `total_timeout` seconds.
+        """
+        deadline = time.monotonic() + total_timeout
+        while True:
+            try:
+                self._request("GET", "health", timeout=min(self.timeout, 10.0))
+                return
+            except (ServerUnavailableError, ServerRequestError) as e:
+                if time.monotonic() >= deadline:
+                    raise ServerUnavailableError(
+                        f"the vLLM server at {self.base_url} was not up after {total_timeout:.0f} s ({e}). Start it "
+                        "first, or raise the trainer's vllm_server_timeout."
+                    ) from e
+            time.sleep(interval)
+
+    def server_info(self) -> ServerInfo:
+        return parse_server_info(self._request("GET", "server_info", params={"config_format": "json"}))
+
+    def world_size(self) -> int:
+        """Number of vLLM workers (tensor x pipeline x data parallel), each a rank of the transfer group."""
+        return int(self._request("GET", "get_world_size")["world_size"])
+
+    def reset_prefix_cache(self) -> None:
+        self._request("POST", "reset_prefix_cache")
+
+    def weight_checksums(self) -> dict[str, str]:
+        """sha256 of every engine parameter, keyed `dp0:pp0:pcp0:tp0:<engine name>` (vLLM's `/weight_checker`)."""
+        return dict(self._request("POST", "weight_checker", json={"action": "checksum"})["checksums"])

