@@ -4,7 +4,8 @@
 
 Builds the model the way a trainer would (FSDP2 and plain on the meta device, so no weight is read; FSDP1 needs real
 storage, so its parameters are allocated uninitialised on the CPU), wraps it on a single-process gloo group, and runs
-the same planning and manifest check as a sync, without an engine. Exits 1 if the engine would reject anything.
+the same planning and manifest check as a sync, without an engine. Exits 1 if the engine would reject anything, 2 for
+a plain mistake in the input (one line on stderr, no traceback).
 """
 
 from __future__ import annotations
@@ -12,27 +13,104 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["dry_run", "main"]
+from .cli import EXIT_FAILED, EXIT_OK, UsageError, make_parser, positive_int, require, run
+
+__all__ = ["DTYPES", "build_parser", "dry_run", "main"]
+
+COMMAND = "fsdp-vllm-sync-check"
+
+# The dtypes vLLM's engines compute in; the trainer's parameters are cast to the engine's dtype before a push.
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+DESCRIPTION = """\
+Check, before training, that every parameter of a model maps to a weight the vLLM engine accepts.
+
+Builds the model from MODEL_DIR/config.json as a trainer would (on the meta device; FSDP1 gets uninitialised CPU
+memory), wraps it with the backend on a one-process group, and runs the same planning and manifest check as a sync,
+against the checkpoint headers in MODEL_DIR. Prints every trainer name with the engine name it becomes, every
+parameter not sent on purpose, and every name the engine would reject."""
+
+EPILOG = """\
+exit codes:
+  0  the engine would accept the sync
+  1  the engine would reject it (the offending names are printed)
+  2  a mistake in the arguments or the model directory, or a missing optional dependency (one line on stderr)"""
 
 
-def _load(model_dir: str, dtype: torch.dtype, lora: list[str] | None, lora_r: int) -> torch.nn.Module:
+def _first_line(error: Exception) -> str:
+    """The first line of a library's error message (transformers' and PEFT's can span many)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _model_dir(path_or_id: str) -> Path:
+    """The local checkpoint directory of `path_or_id` (a directory, or a hub id already in the local cache).
+
+    Raises:
+        UsageError: neither exists, or the directory has no `config.json`.
+    """
+    from fsdp_sync.compat.checkpoint import resolve_checkpoint_dir
+
+    try:
+        directory = resolve_checkpoint_dir(path_or_id)
+    except FileNotFoundError as e:
+        raise UsageError(
+            f"model directory {path_or_id!r} does not exist (nor is it a model in the local Hugging Face cache); "
+            "pass the directory the engine loads (config.json and its *.safetensors)"
+        ) from e
+    if not (directory / "config.json").is_file():
+        raise UsageError(f"{directory} has no config.json; pass the Hugging Face model directory the engine loads")
+    return directory
+
+
+def _load(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     # The structure comes from the config alone, on the meta device: no weight is read, and a checkpoint that does
     # not match the model is reported by the check instead of failing the load.
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
-    if lora:
-        from peft import LoraConfig, get_peft_model
+    try:
+        config = AutoConfig.from_pretrained(str(directory))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (OSError, ValueError) as e:  # unreadable config, unknown model type, not a causal LM
+        raise UsageError(f"cannot build a causal LM from {directory / 'config.json'}: {_first_line(e)}") from e
 
-        # NOTE: adapters in the base dtype: FSDP1 flattens a unit's parameters into one tensor of a single dtype.
-        config = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules=lora)
-        model = get_peft_model(model, config, autocast_adapter_dtype=False)
-    return model
+
+def _add_lora(model: torch.nn.Module, targets: list[str], r: int) -> torch.nn.Module:
+    """Wrap `model` with LoRA adapters on `targets`, as a PEFT trainer would.
+
+    Raises:
+        UsageError: a target names no module of the model (PEFT silently skips it when another one matches), or PEFT
+            cannot adapt the modules named.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    # NOTE: the rule PEFT applies to a list of targets: a module matches if its name is the target or ends with it.
+    matched = {t: [m for n, m in model.named_modules() if n == t or n.endswith(f".{t}")] for t in targets}
+    linear = ", ".join(
+        sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    )
+    unknown = [t for t, modules in matched.items() if not modules]
+    if unknown:
+        raise UsageError(
+            f"--lora {','.join(unknown)}: no module of that name in {type(model).__name__}; its linear layers are "
+            f"{linear}"
+        )
+    # NOTE: adapters in the base dtype: FSDP1 flattens a unit's parameters into one tensor of a single dtype.
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets)
+    try:
+        return get_peft_model(model, config, autocast_adapter_dtype=False)
+    except ValueError as e:  # a target that is a block of layers (e.g. `mlp`), not a layer PEFT can adapt
+        blocks = {type(m).__name__ for ms in matched.values() for m in ms if next(m.children(), None) is not None}
+        raise UsageError(
+            f"--lora {','.join(targets)}: PEFT cannot adapt {', '.join(sorted(blocks)) or 'these modules'}; name "
+            f"layers, e.g. {linear}"
+        ) from e
 
 
 def _unit_classes(model: torch.nn.Module) -> set[type]:
@@ -85,6 +163,9 @@ def dry_run(
     """Print the mapping and the problems; return True when the engine would accept the sync.
 
     Needs an initialised torch.distributed group for the FSDP backends (`main` makes a single-process one).
+
+    Raises:
+        UsageError: the model directory, its config or its weights are missing, or a LoRA target does not exist.
     """
     from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
     from fsdp_sync.compat.layout import layout_for
@@ -98,7 +179,17 @@ def dry_run(
     from .pipeline import build_plan
 
     out = out or sys.stdout
-    model = _wrap(_load(model_dir, dtype, lora, lora_r), backend)
+    directory = _model_dir(model_dir)
+    # NOTE: the manifest (checkpoint headers only, no tensor data) is read before the model is built, so a
+    # directory without weights is reported before anything is printed.
+    try:
+        manifest = read_checkpoint_manifest(directory)
+    except FileNotFoundError as e:
+        raise UsageError(f"{e}; the check compares the trainer's names with the weights the engine loads") from e
+    model = _load(directory, dtype)
+    if lora:
+        model = _add_lora(model, lora, lora_r)
+    model = _wrap(model, backend)
     inner = user_model(model)
     rules = NameRules.for_model(inner)
     detected = detect_backend(model)
@@ -122,7 +213,7 @@ def dry_run(
         for d in plan.dropped:
             print(f"  {d.name}: {d.reason}", file=out)
     try:
-        check_plan(plan.tensors, read_checkpoint_manifest(model_dir))
+        check_plan(plan.tensors, manifest)
     except ManifestError as e:
         print(f"\nREJECTED: {e}", file=out)
         return False
@@ -130,14 +221,41 @@ def dry_run(
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fsdp-vllm-sync-check", description=__doc__.splitlines()[0])
-    parser.add_argument("model_dir", help="local Hugging Face model directory (the one the engine loads)")
-    parser.add_argument("--backend", choices=["fsdp1", "fsdp2", "plain"], default="fsdp2")
-    parser.add_argument("--lora", default=None, help="comma-separated LoRA target modules, e.g. q_proj,v_proj")
-    parser.add_argument("--lora-r", type=int, default=8)
-    parser.add_argument("--dtype", default="bfloat16", help="parameter dtype the trainer uses")
-    args = parser.parse_args(argv)
+def _module_names(value: str) -> list[str]:
+    names = [n.strip() for n in value.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"empty module name in {value!r}; separate names by commas: q_proj,v_proj")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `fsdp-vllm-sync-check`."""
+    parser = make_parser(COMMAND, DESCRIPTION, epilog=EPILOG)
+    parser.add_argument(
+        "model_dir",
+        metavar="MODEL_DIR",
+        help="the Hugging Face model directory the engine loads (config.json and *.safetensors), or a hub id "
+        "already in the local cache",
+    )
+    parser.add_argument(
+        "--backend", choices=["fsdp2", "fsdp1", "plain"], default="fsdp2", help="how the trainer wraps the model"
+    )
+    parser.add_argument(
+        "--lora",
+        type=_module_names,
+        default=None,
+        metavar="NAMES",
+        help="comma-separated LoRA target modules, e.g. q_proj,v_proj (needs the peft extra)",
+    )
+    parser.add_argument("--lora-r", type=positive_int, default=8, metavar="R", help="LoRA rank, with --lora")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default="bfloat16", help="the dtype of the trainer's parameters"
+    )
+    return parser
+
+
+def _check(args: argparse.Namespace) -> int:
+    require({"transformers": "trl", **({"peft": "peft"} if args.lora else {})})
 
     import torch.distributed as dist
 
@@ -148,17 +266,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        ok = dry_run(
-            args.model_dir,
-            args.backend,
-            dtype=getattr(torch, args.dtype),
-            lora=args.lora.split(",") if args.lora else None,
-            lora_r=args.lora_r,
-        )
+        ok = dry_run(args.model_dir, args.backend, dtype=DTYPES[args.dtype], lora=args.lora, lora_r=args.lora_r)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0 if ok else 1
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check; returns the exit code (argparse itself exits with 2 on a malformed command line)."""
+    args = build_parser().parse_args(argv)
+    return run(COMMAND, lambda: _check(args))
 
 
 if __name__ == "__main__":

@@ -98,8 +98,9 @@ class FSDPVLLMSyncMixin:
 
     @property
     def sync_plan(self) -> SyncPlan | None:
-        """What each sync sends (trainer name -> checkpoint name, dropped names); None before the first sync."""
-        return self._fvs_sync.plan() if self._fvs_sync is not None else None
+        """What each sync sends (trainer name -> checkpoint name, dropped names); None before the first sync, or
+        when its plan failed the check (the error says why)."""
+        return self._fvs_sync.checked_plan if self._fvs_sync is not None else None
 
     @property
     def sync_backend(self) -> Backend | None:

@@ -13,7 +13,7 @@ from fsdp_sync.compat.layout import IdentityLayout, Layout
 from fsdp_sync.compat.manifest import ManifestError, PlannedTensor, TensorSpec, check_plan
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 
-from .distributed import RankFailure, agree_on_failures, all_ranks_ok, rank
+from .distributed import RankFailure, agree_on_failures, rank
 from .gather.base import Gatherer
 from .memory import MemoryMeter
 from .peft_merge import PeftMerge
@@ -98,6 +98,11 @@ class WeightSync:
         self.meter = MemoryMeter(torch.device(device))
         self._plan: SyncPlan | None = None
 
+    @property
+    def checked_plan(self) -> SyncPlan | None:
+        """The plan once it has passed its check (first sync), else None; reading it runs no collective."""
+        return self._plan
+
     def plan(self) -> SyncPlan:
         """Map every trainer parameter to its checkpoint name and check the result against the engine (cached).
 
@@ -114,10 +119,17 @@ class WeightSync:
                 check_plan(plan.tensors, self.writer.manifest())
         except (ManifestError, ValueError, FileNotFoundError) as e:
             error = e
-        if not all_ranks_ok(error is None):
-            if error is not None:
-                raise error
-            raise ManifestError("The weight sync plan failed its check on another rank; see that rank's error.")
+        failures = agree_on_failures(
+            RankFailure(rank(), "plan", f"{type(error).__name__}: {error}") if error is not None else None
+        )
+        if error is not None:
+            raise error
+        if failures:
+            raise ManifestError(
+                "The weight sync plan failed its check on "
+                + "; ".join(f.describe() for f in failures)
+                + ". Nothing was sent."
+            )
         assert plan is not None
         for d in plan.dropped:
             logger.info("weight sync: not sending %s: %s", d.name, d.reason)

@@ -1,7 +1,9 @@
-"""`fsdp-vllm-sync-check`: the mapping it prints, and a non-zero exit naming every name the engine would reject."""
+"""`fsdp-vllm-sync-check`: the mapping it prints, exit 1 naming every name the engine would reject, and exit 2 with
+one line for a plain mistake."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,73 @@ def test_dry_run_rejects_and_names_offenders(qwen2: Path, tmp_path: Path, capsys
     assert "model.norm.weight  (from model.norm.weight)" in out
     assert "model.extra.weight" in out
     assert "model.layers.0.mlp.down_proj.weight: trainer (128, 256) vs engine (128, 64)" in out
+
+
+# Plain mistakes: one line on stderr naming the fix, exit code 2, no traceback, nothing on stdout.
+
+
+def _usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    return captured.err
+
+
+def test_missing_model_directory_is_one_line(tmp_path: Path, capsys) -> None:
+    err = _usage_error(capsys, [str(tmp_path / "no-such-model")])
+    assert f"model directory '{tmp_path / 'no-such-model'}' does not exist" in err
+    assert "Repo id" not in err  # transformers' message for a hub id
+
+
+def test_config_without_weights_is_one_line(qwen2: Path, tmp_path: Path, capsys) -> None:
+    (tmp_path / "config.json").write_bytes((qwen2 / "config.json").read_bytes())
+    err = _usage_error(capsys, [str(tmp_path), "--backend", "plain"])
+    assert f"No *.safetensors or *.bin weights in {tmp_path}" in err
+
+
+def test_directory_without_config_is_one_line(tmp_path: Path, capsys) -> None:
+    err = _usage_error(capsys, [str(tmp_path), "--backend", "plain"])
+    assert f"{tmp_path} has no config.json" in err
+
+
+def test_unknown_lora_target_is_one_line(qwen2: Path, capsys) -> None:
+    # PEFT alone would accept this list (q_proj matches) and silently leave out the misspelt target.
+    err = _usage_error(capsys, [str(qwen2), "--backend", "plain", "--lora", "q_proj,vproj"])
+    assert "--lora vproj: no module of that name in Qwen2ForCausalLM" in err
+    assert "q_proj, up_proj, v_proj" in err  # the names it could have meant
+
+
+def test_lora_target_that_matches_nothing_is_one_line(qwen2: Path, capsys) -> None:
+    """The case PEFT itself rejects with NoMatchingPeftModuleError and a traceback."""
+    err = _usage_error(capsys, [str(qwen2), "--backend", "fsdp2", "--lora", "attention"])
+    assert "--lora attention: no module of that name" in err
+
+
+def test_lora_target_that_is_a_block_is_one_line(qwen2: Path, capsys) -> None:
+    err = _usage_error(capsys, [str(qwen2), "--backend", "plain", "--lora", "mlp"])
+    assert "--lora mlp: PEFT cannot adapt Qwen2MLP; name layers, e.g. down_proj" in err
+
+
+def test_missing_extra_is_named(qwen2: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what find_spec reports for a module not installed
+    err = _usage_error(capsys, [str(qwen2), "--backend", "plain"])
+    assert "transformers not installed; install with: pip install 'fsdp-vllm-sync[trl]'" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dtype", "bf16"], "--dtype: invalid choice: 'bf16' (choose from 'bfloat16', 'float16', 'float32')"),
+        (["--backend", "fsdp3"], "argument --backend: invalid choice: 'fsdp3'"),
+        (["--lora-r", "0"], "argument --lora-r: '0' is not a positive whole number"),
+        (["--lora", "q_proj,"], "argument --lora: empty module name in 'q_proj,'"),
+    ],
+)
+def test_malformed_arguments_exit_2(qwen2: Path, argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(qwen2), *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+

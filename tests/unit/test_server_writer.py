@@ -1,37 +1,108 @@
-"""`ServerWriter` (server mode through TRL's client): metadata announced in stream order, engine dtype, main rank only.
+"""Server mode, unit level: the transport choice, `ServerWriter` with a recording trainer engine, the gloo backend's
+chunking and a real gloo round trip between two threads, the server-info parser and TRL's server settings.
 
-TRL's `VLLMClient.update_named_params(metadata, iterator)` announces every tensor before broadcasting them in the
-same order; the transport itself (vLLM's NCCL weight transfer) needs CUDA and a server, so a recording fake stands in.
+The end-to-end tests against a real vLLM server process are in `tests/e2e/test_server_mode.py`.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
 from fsdp_sync.compat.manifest import TensorSpec
 from fsdp_sync.compat.names import NameRules
+from fsdp_sync.compat.server_api import ServerInfo, parse_server_info
+from fsdp_sync.compat.trl_api import defer_trl_weight_communicator, server_address
 from fsdp_sync.pipeline import WeightSync
-from fsdp_sync.writers import ServerWriter
+from fsdp_sync.server_client import ServerConfigError, ServerRequestError
+from fsdp_sync.testing.dist import free_port
+from fsdp_sync.transfer import gloo
+from fsdp_sync.writers import server as server_writer
+from fsdp_sync.writers.server import ServerPushError, ServerTransportError, ServerWriter, transport_for
 
 
-class RecordingClient:
-    """Records what TRL's client would send."""
+def _info(backend: str | None = "gloo") -> ServerInfo:
+    return ServerInfo(model="/srv/model", dtype=torch.bfloat16, weight_transfer_backend=backend, served_name="m")
+
+
+# --- the transport, decided once from the server's configuration -------------------------------------------------
+
+
+def test_no_backend_says_how_to_restart_the_server() -> None:
+    with pytest.raises(ServerConfigError, match="without a weight-transfer backend") as err:
+        transport_for(_info(None))
+    assert '"gloo"' in str(err.value) and '"nccl"' in str(err.value)
+
+
+def test_unsupported_backend_names_the_supported_ones() -> None:
+    with pytest.raises(ServerConfigError, match=r"'ipc'.*\['nccl', 'gloo'\]"):
+        transport_for(_info("ipc"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_nccl_without_cuda_points_to_gloo() -> None:
+    with pytest.raises(ServerConfigError, match="needs CUDA on the trainer"):
+        transport_for(_info("nccl"))
+
+
+# --- ServerWriter through the pipeline, with a recording trainer engine -----------------------------------------
+
+
+class RecordingEngine:
+    """Stands in for a vLLM trainer engine: reads the source as vLLM's engines do (metadata, then one pass)."""
+
+    instances: list[RecordingEngine] = []
+    fail_next: Exception | None = None
+
+    class init_info_cls:  # noqa: N801 - mirrors vLLM's attribute name
+        def __init__(self, **fields: Any) -> None:
+            self.fields = fields
+
+    def __init__(self, init_info: Any, source: Any) -> None:
+        self.init_info = init_info
+        self.source = source
+        self.rounds: list[tuple[list[Any], list[tuple[str, torch.Tensor]]]] = []
+
+    @classmethod
+    def trainer_init(cls, init_info: Any, *, client: Any, source: Any) -> RecordingEngine:
+        engine = cls(init_info, source)
+        cls.instances.append(engine)
+        return engine
+
+    def send_weights(self) -> None:
+        meta = self.source.metadata()
+        sent = []
+        for name, tensor in self.source:
+            if RecordingEngine.fail_next is not None:
+                error, RecordingEngine.fail_next = RecordingEngine.fail_next, None
+                raise error
+            sent.append((name, tensor.clone()))
+        self.rounds.append((meta, sent))
+
+
+class FakeClient:
+    base_url = "http://127.0.0.1:1"
 
     def __init__(self) -> None:
-        self.metadata: list[tuple[str, str, list[int]]] = []
-        self.sent: list[tuple[str, torch.Tensor]] = []
         self.resets = 0
+        self.finishes = 0
 
-    def update_named_params(self, metadata: list[tuple[str, str, list[int]]], named: Iterator) -> None:
-        self.metadata = metadata
-        self.sent = [(n, t.clone()) for n, t in named]
+    def world_size(self) -> int:
+        return 1
 
     def reset_prefix_cache(self) -> None:
         self.resets += 1
+
+    def finish_weight_update(self) -> None:
+        self.finishes += 1
+        raise ServerRequestError("finish_weight_update called without a matching start_weight_update")
 
 
 class TwoTensorGatherer:
@@ -53,38 +124,204 @@ class TwoTensorGatherer:
         yield from self.values.items()
 
 
-def _checkpoint(tmp_path: Path) -> Path:
-    save_file({"b.weight": torch.zeros(2, 3, dtype=torch.bfloat16), "a.index": torch.zeros(4, dtype=torch.int64)},
-              str(tmp_path / "model.safetensors"))
-    return tmp_path
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    RecordingEngine.instances = []
+    RecordingEngine.fail_next = None
+    monkeypatch.setattr(server_writer, "trainer_transfer_engine", lambda backend: RecordingEngine)
+    save_file(
+        {"b.weight": torch.zeros(2, 3, dtype=torch.bfloat16), "a.index": torch.zeros(4, dtype=torch.int64)},
+        str(tmp_path / "model.safetensors"),
+    )
+    client = FakeClient()
+    writer = ServerWriter(client, _info(), group_port=12345, checkpoint_dir=str(tmp_path), buffer_bytes=1024, timeout_s=5)  # type: ignore[arg-type]
+    return WeightSync(TwoTensorGatherer(), writer, rules=NameRules()), client
 
 
-def test_metadata_in_stream_order_with_engine_dtype(tmp_path: Path) -> None:
-    """The announced (name, dtype, shape) list matches what is then sent, in order; floats in the engine dtype."""
-    client = RecordingClient()
-    writer = ServerWriter(client, checkpoint_dir=str(_checkpoint(tmp_path)), engine_dtype=torch.bfloat16)
-    report = WeightSync(TwoTensorGatherer(), writer, rules=NameRules()).sync()
-    assert client.metadata == [("b.weight", "bfloat16", [2, 3]), ("a.index", "int64", [4])]
-    assert [n for n, _ in client.sent] == ["b.weight", "a.index"]
-    assert client.sent[0][1].dtype == torch.bfloat16 and client.sent[1][1].dtype == torch.int64
-    assert torch.equal(client.sent[0][1], torch.arange(6, dtype=torch.bfloat16).reshape(2, 3))
+def test_metadata_from_the_plan_in_stream_order_and_engine_dtype(recording) -> None:
+    sync, client = recording
+    sync.sync()
+    (engine,) = RecordingEngine.instances
+    meta, sent = engine.rounds[0]
+    assert [(m.name, m.dtype, m.shape) for m in meta] == [
+        ("b.weight", torch.bfloat16, (2, 3)),
+        ("a.index", torch.int64, (4,)),
+    ]
+    assert [n for n, _ in sent] == ["b.weight", "a.index"]
+    assert sent[0][1].dtype == torch.bfloat16 and torch.equal(sent[0][1], torch.arange(6.0).reshape(2, 3).bfloat16())
+    assert torch.equal(sent[1][1], torch.arange(4))
+    assert engine.init_info.fields == {
+        "master_address": "127.0.0.1",
+        "master_port": 12345,
+        "world_size": 2,
+        "buffer_bytes": 1024,
+        "timeout_s": 5,
+        "rank": 0,
+    }
     assert client.resets == 1
-    assert report.tensors == 2 and report.writer == "server:trl-client"
 
 
-def test_other_ranks_gather_without_pushing(tmp_path: Path) -> None:
-    """Without a client (ranks other than the main one) the stream is drained and nothing is announced."""
-    gatherer = TwoTensorGatherer()
-    consumed: list[str] = []
-    original = gatherer.iter_full
+def test_handshake_once_then_every_sync_reuses_it(recording) -> None:
+    sync, _ = recording
+    sync.sync()
+    sync.sync()
+    (engine,) = RecordingEngine.instances
+    assert len(engine.rounds) == 2
 
-    def counting(meter: object) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in original(meter):
-            consumed.append(name)
-            yield name, tensor
 
-    gatherer.iter_full = counting  # type: ignore[method-assign]
-    writer = ServerWriter(None, checkpoint_dir=str(_checkpoint(tmp_path)))
-    assert writer.pushes is False
-    WeightSync(gatherer, writer, rules=NameRules()).sync()
-    assert consumed == list(gatherer.values), "every rank must run the whole gather (it holds collectives)"
+def test_transport_failure_is_reported_as_such_and_the_next_sync_reconnects(recording) -> None:
+    sync, client = recording
+    sync.sync()
+    RecordingEngine.fail_next = RuntimeError("Connection reset by peer")
+    with pytest.raises(ServerTransportError, match="Connection reset by peer") as err:
+        sync.sync()
+    assert "mix of old and new weights" in str(err.value)
+    assert client.resets == 1, "no prefix-cache reset after a failed push"
+    sync.sync()
+    assert len(RecordingEngine.instances) == 2, "a failed transfer is set up again"
+    assert client.finishes == 1, "the update session a failed round may have left open is closed first"
+
+
+def test_server_error_answer_is_a_push_error(recording) -> None:
+    sync, _ = recording
+    RecordingEngine.fail_next = ServerRequestError("HTTP 500: Invalid update_info")
+    with pytest.raises(ServerPushError, match="Invalid update_info"):
+        sync.sync()
+
+
+def test_non_sending_rank_only_drains() -> None:
+    writer = ServerWriter(None, _info(), group_port=1, buffer_bytes=1024, timeout_s=5)
+    assert not writer.pushes and writer.engine_dtype == torch.bfloat16
+
+
+# --- the gloo backend ---------------------------------------------------------------------------------------------
+
+
+def test_plan_chunks_packs_aligned_and_keeps_large_tensors_alone() -> None:
+    chunks = gloo.plan_chunks([10, 10, 200, 30, 0, 5], buffer_bytes=128)
+    assert [(c.start, c.stop) for c in chunks] == [(0, 2), (2, 3), (3, 6)]
+    assert chunks[0].offsets == (0, 64) and chunks[0].nbytes == 74
+    assert chunks[1].offsets == (0,) and chunks[1].nbytes == 200
+    assert chunks[2].offsets == (0, 64, 64) and chunks[2].nbytes == 69
+    assert all(o % 64 == 0 for c in chunks for o in c.offsets)
+    with pytest.raises(ValueError, match="buffer_bytes"):
+        gloo.plan_chunks([1], buffer_bytes=0)
+
+
+class _Source:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def metadata(self) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors.items())
+
+
+def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
+    """The trainer's packing and the worker's unpacking over a real gloo group on 127.0.0.1 (two threads): every
+    tensor arrives bit for bit, in order, in its dtype and shape, in chunks no larger than the buffer (or one tensor)."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.weight": torch.randn(7, 5, generator=g).bfloat16(),
+        "b.bias": torch.randn(3, generator=g),
+        "c.index": torch.arange(9, dtype=torch.int64).reshape(3, 3),
+        "d.mask": torch.tensor([True, False, True]),
+        "e.scalar": torch.tensor(2.5, dtype=torch.float16),
+        "f.big": torch.randn(40, 40, generator=g),  # 6400 bytes: larger than the buffer, travels alone
+    }
+    port = free_port()
+    loaded: list[list[tuple[str, torch.Tensor]]] = []
+    model = SimpleNamespace(load_weights=lambda weights: loaded.append([(n, t.clone()) for n, t in weights]))
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None
+    )
+    worker = gloo.GlooWeightTransferEngine(None, config, torch.device("cpu"), model)  # type: ignore[arg-type]
+    worker.buffer_bytes = 512
+    meta = _Source(tensors).metadata()
+    update = gloo.GlooUpdateInfo(
+        names=[m.name for m in meta],
+        dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+        shapes=[list(m.shape) for m in meta],
+    )
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            worker.group = gloo._open_group("127.0.0.1", port, 1, 2, timeout_s=30)
+            worker.receive_weights(update)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    trainer = gloo.GlooTrainerWeightTransferEngine(client=None, source=_Source(tensors), buffer_bytes=512, timeout_s=30)  # type: ignore[arg-type]
+    trainer.group = gloo._open_group("127.0.0.1", port, 0, 2, timeout_s=30)
+    from concurrent.futures import Future
+
+    trainer._broadcast_stream(_Source(tensors), meta, Future())
+    thread.join(timeout=60)
+    assert not errors, errors
+    received = [item for chunk in loaded for item in chunk]
+    assert [n for n, _ in received] == list(tensors)
+    for (name, got), want in zip(received, tensors.values()):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
+    assert len(loaded) == len(gloo.plan_chunks([t.numel() * t.element_size() for t in tensors.values()], 512))
+
+
+def test_stream_that_disagrees_with_the_announcement_names_the_tensor() -> None:
+    tensors = {"a.weight": torch.zeros(2, 2)}
+    meta = _Source(tensors).metadata()
+    wrong = {"a.weight": torch.zeros(2, 3)}
+    with pytest.raises(ValueError, match=r"expected 'a.weight' torch.float32 \(2, 2\), got 'a.weight' torch.float32 \(2, 3\)"):
+        list(gloo._checked(_Source(wrong), meta))
+    with pytest.raises(ValueError, match="ended before 'a.weight'"):
+        list(gloo._checked(_Source({}), meta))
+
+
+# --- what the server and the trainer's config say ----------------------------------------------------------------
+
+
+def test_parse_server_info_reads_vllm_032_layout() -> None:
+    answer = {
+        "vllm_config": {
+            "model_config": {"model": "/m", "dtype": "torch.bfloat16", "served_model_name": "/m"},
+            "weight_transfer_config": {"backend": "gloo"},
+        }
+    }
+    assert parse_server_info(answer) == ServerInfo("/m", torch.bfloat16, "gloo", "/m")
+    answer["vllm_config"]["weight_transfer_config"] = None
+    assert parse_server_info(answer).weight_transfer_backend is None
+    with pytest.raises(ValueError, match="model_config"):
+        parse_server_info({"vllm_config": {}})
+
+
+def test_server_address_from_trl_args() -> None:
+    args = SimpleNamespace(
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=None,
+        vllm_server_host="10.0.0.5",
+        vllm_server_port=8001,
+        vllm_server_timeout=30.0,
+        vllm_group_port=5000,
+    )
+    address = server_address(args)
+    assert address is not None and address.base_url == "http://10.0.0.5:8001" and address.group_port == 5000
+    args.vllm_server_base_url = "http://h:9/"
+    assert server_address(args).base_url == "http://h:9"  # type: ignore[union-attr]
+    args.vllm_mode = "colocate"
+    assert server_address(args) is None
+
+
+def test_trl_communicator_is_deferred_only_while_the_trainer_is_built() -> None:
+    from trl.generation.vllm_client import VLLMClient
+
+    original = VLLMClient.init_communicator
+    with defer_trl_weight_communicator():
+        assert VLLMClient.init_communicator is not original
+        assert VLLMClient.init_communicator(object(), device="cpu") is None
+    assert VLLMClient.init_communicator is original

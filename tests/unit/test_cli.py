@@ -1,0 +1,127 @@
+"""The console scripts' shared plumbing (`fsdp_sync.cli`), their help, and `fsdp-vllm-sync-demo`'s command line
+(the dry run's own mistakes are in test_dry_run.py).
+
+Nothing here launches the demo's job: every case ends before it (at argparse, or at a usage error).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_sync.cli import EXIT_USAGE, UsageError, make_parser, require, run
+from fsdp_sync.demo import main as demo_main
+from fsdp_sync.dry_run import main as check_main
+
+
+def test_require_names_every_missing_module_and_its_extras(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what find_spec reports for a module not installed
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(UsageError) as error:
+        require({"transformers": "trl", "peft": "peft", "torch": "never-asked"})
+    assert str(error.value) == "transformers, peft not installed; install with: pip install 'fsdp-vllm-sync[peft,trl]'"
+
+
+def test_require_passes_when_everything_is_installed() -> None:
+    require({"torch": "unused", "packaging": "unused"})
+
+
+def test_run_reports_a_usage_error_on_one_line(capsys) -> None:
+    def body() -> int:
+        raise UsageError("the thing is missing; pass --thing")
+
+    assert run("some-command", body) == EXIT_USAGE
+    assert capsys.readouterr().err == "some-command: error: the thing is missing; pass --thing\n"
+
+
+def test_help_shows_defaults_but_not_none() -> None:
+    parser = make_parser("p", "Description.\n\nSecond paragraph, kept as written.")
+    parser.add_argument("--count", type=int, default=3, help="how many")
+    parser.add_argument("--out", default=None, help="where (default: a temporary directory)")
+    text = parser.format_help()
+    assert "how many (default: 3)" in text
+    assert "(default: None)" not in text
+    assert "Description.\n\nSecond paragraph, kept as written." in text
+
+
+def _exits_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        demo_main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_demo_unknown_family_is_a_usage_error(capsys) -> None:
+    err = _exits_2(capsys, ["--family", "gpt2"])
+    assert "argument --family: invalid choice: 'gpt2' (choose from 'llama', 'qwen2', 'qwen3', 'qwen3_moe')" in err
+
+
+def test_demo_malformed_numbers_are_usage_errors(capsys) -> None:
+    assert "argument --steps: '0' is not a positive whole number" in _exits_2(capsys, ["--steps", "0"])
+    assert "argument --steps: 'three' is not a positive whole number" in _exits_2(capsys, ["--steps", "three"])
+    assert "argument --backend: invalid choice: 'deepspeed'" in _exits_2(capsys, ["--backend", "deepspeed"])
+
+
+def test_demo_out_that_is_a_file_is_one_line(tmp_path: Path, capsys) -> None:
+    afile = tmp_path / "results.txt"
+    afile.write_text("")
+    assert demo_main(["--out", str(afile)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"fsdp-vllm-sync-demo: error: --out {afile}: exists and is not a directory; name a " \
+        "directory (it is created if new)\n"
+
+
+def test_demo_missing_dependency_names_the_extra(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert demo_main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fsdp-vllm-sync-demo: error: vllm not installed; install with: pip install "
+                          "'fsdp-vllm-sync[test]'")
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (
+            demo_main,
+            [
+                "--backend {fsdp2,fsdp1,ddp}",
+                "how accelerate wraps the model (default: fsdp2)",
+                "--family {llama,qwen2,qwen3,qwen3_moe}",
+                "(default: qwen2)",
+                "(default: 3)",
+                "(default: a new temporary directory)",
+                "equals the trainer's, bit for bit.",  # the description is whole, not cut mid-sentence
+                "0 every sync was bit-exact",
+                "2 a mistake in the arguments",
+            ],
+        ),
+        (
+            check_main,
+            [
+                "--backend {fsdp2,fsdp1,plain}",
+                "how the trainer wraps the model (default: fsdp2)",
+                "--dtype {bfloat16,float16,float32}",
+                "(default: bfloat16)",
+                "(default: 8)",
+                "every name the engine would reject.",  # the description is whole, not cut at its first line
+                "1 the engine would reject it",
+                "2 a mistake in the arguments",
+            ],
+        ),
+    ],
+    ids=["demo", "check"],
+)
+def test_help_lists_choices_defaults_and_exit_codes(command, expected: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        command(["--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert [e for e in expected if e not in out] == []
+    assert "(default: None)" not in out
