@@ -1,6 +1,7 @@
 """One entry point for the sync benchmarks.
 
     python -m benchmarks.run cpu [--reps 5] [--models qwen2-36m,qwen2-150m]
+    python -m benchmarks.run server [--reps 5] [--models qwen2-36m,qwen2-150m]   (starts a vLLM CPU server per model)
     python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU)
     python -m benchmarks.run report [--results benchmarks/results]
 
@@ -55,6 +56,34 @@ def _cpu(args: argparse.Namespace) -> None:
     _write("cpu", rows, args.results, machine)
 
 
+def _server(args: argparse.Namespace) -> None:
+    import os
+
+    from fsdp_sync.testing.dist import free_port, run_distributed
+    from fsdp_sync.testing.models import build_tiny_checkpoint
+    from fsdp_sync.testing.vllm_server import VLLMServerProcess
+
+    from .server import server_worker
+    from .shapes import CPU_SHAPES
+
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            model_dir = build_tiny_checkpoint(Path(tmp) / name, CPU_SHAPES[name])
+            with VLLMServerProcess(model_dir, Path(tmp) / f"{name}-server.log", readable_weights=False) as server:
+                ports = [free_port(), free_port()]
+                for rank_rows in run_distributed(
+                    server_worker, name, str(model_dir), server.base_url, args.reps, ports, world_size=2,
+                    backend="gloo",
+                ):  # fmt: skip
+                    rows.extend(rank_rows)
+    machine = (
+        f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo trainer ranks, one vLLM CPU server process "
+        "(bf16), gloo weight transfer"
+    )
+    _write("server", rows, args.results, machine)
+
+
 def _gpu(args: argparse.Namespace) -> None:
     import torch
 
@@ -78,19 +107,23 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="kind", required=True)
     cpu = sub.add_parser("cpu")
     cpu.add_argument("--models", default="qwen2-36m,qwen2-150m")
+    server = sub.add_parser("server")
+    server.add_argument("--models", default="qwen2-36m,qwen2-150m")
     gpu = sub.add_parser("gpu")
     gpu.add_argument("--models", default="qwen2-1.5b,qwen2-7b")
     gpu.add_argument("--world-size", type=int, default=0)
     gpu.add_argument("--check", action="store_true", help="verify the engine buffers bit for bit after each method")
     rep = sub.add_parser("report")
     rep.add_argument("--kind", default="cpu")
-    for p in (cpu, gpu, rep):
+    for p in (cpu, server, gpu, rep):
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     match args.kind:
         case "cpu":
             _cpu(args)
+        case "server":
+            _server(args)
         case "gpu":
             _gpu(args)
         case "report":

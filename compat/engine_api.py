@@ -1,8 +1,9 @@
 """Where things live in the vLLM engine, across versions, detected by feature in one place.
 
 Why: the path from `vllm.LLM` to the worker and model moved between vLLM releases (`driver_worker.worker` in v1 with
-in-process execution, `driver_worker` directly in older ones), the in-place `reload_weights` appeared in 0.11-era v1
-workers, and `reset_prefix_cache` grew keyword arguments. Writers ask this module and never probe the engine
+in-process execution, `driver_worker` directly in older ones), the in-place `reload_weights(weights_iterator=...,
+is_checkpoint_format=...)` appeared in vLLM 0.16 (before it the method took no arguments and re-read the checkpoint
+from disk), and `reset_prefix_cache` grew keyword arguments. Writers ask this module and never probe the engine
 themselves.
 """
 
@@ -66,6 +67,29 @@ def _restore_fn(model: torch.nn.Module, model_config: Any) -> Callable[[], None]
     return lambda: finalize_layerwise_reload(model, model_config)
 
 
+def _takes_weights_iterator(reload: Any) -> bool:
+    """Whether the worker's `reload_weights` is the in-place, iterator-taking one (vLLM >= 0.16)."""
+    if not callable(reload):
+        return False
+    import inspect
+
+    try:
+        parameters = inspect.signature(reload).parameters
+    except (TypeError, ValueError):
+        return False
+    # vLLM's worker forwards `*args, **kwargs` to its model runner; look there when the worker's own is generic.
+    if "weights_iterator" in parameters:
+        return True
+    runner = getattr(getattr(reload, "__self__", None), "model_runner", None)
+    inner = getattr(runner, "reload_weights", None)
+    if inner is None or inner is reload:
+        return False
+    try:
+        return "weights_iterator" in inspect.signature(inner).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def engine_handle(llm: Any) -> EngineHandle:
     """Resolve the worker, model, push entry point and metadata of an in-process `vllm.LLM`.
 
@@ -77,7 +101,7 @@ def engine_handle(llm: Any) -> EngineHandle:
     runner = worker.model_runner
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     model_config = llm.llm_engine.model_config
-    if hasattr(worker, "reload_weights"):
+    if _takes_weights_iterator(getattr(worker, "reload_weights", None)):
 
         def push(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
             worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailure", "agree_on_failures", "all_ranks_ok", "rank"]
+__all__ = ["RankFailure", "agree_on_failures", "all_ranks_ok", "rank", "stop_together"]
 
 
 def rank() -> int:
@@ -52,3 +52,17 @@ def agree_on_failures(failure: RankFailure | None) -> list[RankFailure]:
         dist.all_gather_object(gathered, failure)
         return [f for f in gathered if f is not None]
     return []
+
+
+def stop_together(error: Exception | None, stage: str, remote: type[Exception], consequence: str) -> None:
+    """Agree with every rank on this rank's `error` (None: none); then raise it here, or `remote` on the ranks that did
+    not fail, naming every failing rank, its stage and its error, followed by `consequence`.
+
+    Every rank must call it at the same point; it returns only when no rank failed.
+    """
+    failure = RankFailure(rank(), stage, f"{type(error).__name__}: {error}") if error is not None else None
+    failures = agree_on_failures(failure)
+    if error is not None:
+        raise error
+    if failures:
+        raise remote(f"The weight sync failed on {'; '.join(f.describe() for f in failures)}. {consequence}")

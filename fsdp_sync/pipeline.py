@@ -13,7 +13,7 @@ from fsdp_sync.compat.layout import IdentityLayout, Layout
 from fsdp_sync.compat.manifest import ManifestError, PlannedTensor, TensorSpec, check_plan
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 
-from .distributed import RankFailure, agree_on_failures, rank
+from .distributed import stop_together
 from .gather.base import Gatherer
 from .memory import MemoryMeter
 from .peft_merge import PeftMerge
@@ -119,17 +119,7 @@ class WeightSync:
                 check_plan(plan.tensors, self.writer.manifest())
         except (ManifestError, ValueError, FileNotFoundError) as e:
             error = e
-        failures = agree_on_failures(
-            RankFailure(rank(), "plan", f"{type(error).__name__}: {error}") if error is not None else None
-        )
-        if error is not None:
-            raise error
-        if failures:
-            raise ManifestError(
-                "The weight sync plan failed its check on "
-                + "; ".join(f.describe() for f in failures)
-                + ". Nothing was sent."
-            )
+        stop_together(error, "plan", ManifestError, "Nothing was sent.")
         assert plan is not None
         for d in plan.dropped:
             logger.info("weight sync: not sending %s: %s", d.name, d.reason)
@@ -194,16 +184,12 @@ class WeightSync:
             error = IncompleteSyncError(
                 f"{self.writer.kind} stopped {leftover} tensor(s) before the end of the weight stream"
             )
-        failure = RankFailure(rank(), "push", f"{type(error).__name__}: {error}") if error is not None else None
-        failures = agree_on_failures(failure)
-        if error is not None:
-            raise error
-        if failures:
-            raise RemoteSyncError(
-                "The weight sync failed on "
-                + "; ".join(f.describe() for f in failures)
-                + ". This rank took part in every gather and stopped with the others; see the failing rank's error."
-            )
+        stop_together(
+            error,
+            "push",
+            RemoteSyncError,
+            "This rank took part in every gather and stopped with the others; see the failing rank's error.",
+        )
         if self.writer.pushes:
             self.writer.finish()
 

@@ -145,6 +145,20 @@ def fused_direct_check(
         (number of engine weights checked, problems). Engine weights with no direct counterpart (e.g. fused experts)
         are not counted; the caller checks them through `reference_engine_state`.
     """
+    def differs(name: str, value: torch.Tensor, expected: torch.Tensor) -> str | None:
+        return None if torch.equal(value, expected) else f"{name}: engine differs from the trainer's full weight"
+
+    return _direct_check(engine, checkpoint, packed, dtype, differs)
+
+
+def _direct_check(
+    engine: dict[str, Any],
+    checkpoint: dict[str, torch.Tensor],
+    packed: dict[str, list[str]],
+    dtype: torch.dtype,
+    problem: Any,
+) -> tuple[int, list[str]]:
+    """Each engine entry with a direct counterpart, compared by `problem(name, engine value, expected tensor)`."""
     checked = 0
     problems: list[str] = []
     for name, value in engine.items():
@@ -152,8 +166,9 @@ def fused_direct_check(
         if expected is None:
             continue
         checked += 1
-        if not torch.equal(value, expected.to(dtype)):
-            problems.append(f"{name}: engine differs from the trainer's full weight")
+        found = problem(name, value, expected.to(dtype))
+        if found is not None:
+            problems.append(found)
     return checked, problems
 
 
@@ -174,17 +189,13 @@ def digest_check(
     """`fused_direct_check` against a server's per-parameter sha256 digests (engine names, worker prefix removed).
 
     A digest of zero bytes for a tensor that has elements means the server packed the weight away (start it with
-    `--readable-weights`); it is reported, never passed.
+    `VLLMServerProcess(readable_weights=True)`); it is reported, never passed.
     """
-    checked = 0
-    problems: list[str] = []
-    for name, digest in engine_digests.items():
-        expected = expected_engine_tensor(name, checkpoint, packed)
-        if expected is None:
-            continue
-        checked += 1
+    def differs(name: str, digest: str, expected: torch.Tensor) -> str | None:
         if digest == _EMPTY_DIGEST and expected.numel() > 0:
-            problems.append(f"{name}: the server hides this weight (packed away); cannot be checked")
-        elif digest != tensor_digest(expected.to(dtype)):
-            problems.append(f"{name}: server weight differs from the trainer's full weight")
-    return checked, problems
+            return f"{name}: the server hides this weight (packed away); cannot be checked"
+        if digest != tensor_digest(expected):
+            return f"{name}: server weight differs from the trainer's full weight"
+        return None
+
+    return _direct_check(engine_digests, checkpoint, packed, dtype, differs)

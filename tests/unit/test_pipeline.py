@@ -341,6 +341,27 @@ def test_writer_stopping_early_still_drains_the_gather() -> None:
     assert gatherer.exhausted == 1
 
 
+class RaisingWriter(FakeWriter):
+    """Takes one tensor, then fails as a dead server or a broken engine would."""
+
+    def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.calls["write"] += 1
+        next(iter(weights))
+        raise ConnectionError("connection reset by peer")
+
+
+def test_writer_raising_part_way_drains_the_gather_then_raises_its_own_error() -> None:
+    """Regression (a failing push used to leave the rest of the gather undone, so the other ranks waited in their
+    collectives): the stream is drained to its end, then the writer's own error is raised; finish() is skipped."""
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    writer = RaisingWriter(_manifest_for(tensors))
+    with pytest.raises(ConnectionError, match="connection reset"):
+        WeightSync(gatherer, writer).sync()
+    assert gatherer.exhausted == 1 and len(gatherer.yielded) == len(tensors)
+    assert writer.calls["finish"] == 0
+
+
 def test_writer_taking_exactly_the_planned_count_succeeds() -> None:
     """A writer that takes exactly the planned tensors and never asks for the end is fine: the drain finishes it."""
     tensors = _tensors()
