@@ -154,6 +154,27 @@ class _PlanSource(WeightSource):
         return iter(stream)
 
 
+class _UpstreamError(Exception):
+    """Carries an exception raised by the sync's own stream through the transport's code, to tell it apart from
+    the transport's failures."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _upstream_marked(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    it = iter(stream)
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise _UpstreamError(e) from e
+        yield item
+
+
 def local_address_towards(base_url: str) -> str:
     """This host's address on the interface that routes to the server (what the server's workers connect to)."""
     host = urlparse(base_url).hostname or "127.0.0.1"
@@ -247,16 +268,22 @@ class ServerWriter:
         return engine
 
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Send one sync's stream. A failure of the stream itself (the gather, the name mapping, ...) is raised as
+        it is; a failure of the server or of the transfer is raised as `ServerPushError` / `ServerTransportError`,
+        and the transfer is set up again at the next sync."""
         assert self._source is not None, "prepare() must be called first"
         stage = "connect"
         try:
             if self._engine is None:
                 self._engine = self._connect()
             stage = "send"
-            self._source.feed(weights)
+            self._source.feed(_upstream_marked(weights))
             self._round_open = True
             self._engine.send_weights()
             self._round_open = False
+        except _UpstreamError as e:
+            self._engine = None
+            raise e.error  # noqa: B904 - the stream's own exception, with its own traceback and cause
         except (ServerRequestError, ServerConfigError) as e:
             self._engine = None
             raise ServerPushError(
@@ -264,8 +291,10 @@ class ServerWriter:
             ) from e
         except ServerUnavailableError as e:
             self._engine = None
-            raise ServerTransportError(f"The vLLM server became unreachable ({stage}): {e}. {self._state_note(stage)}") from e
-        except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+            raise ServerTransportError(
+                f"The vLLM server became unreachable ({stage}): {e}. {self._state_note(stage)}"
+            ) from e
+        except Exception as e:
             self._engine = None
             raise ServerTransportError(
                 f"The {self.backend} weight transfer to {self.info.model!r} failed ({stage}; "

@@ -189,6 +189,17 @@ def test_server_error_answer_is_a_push_error(recording) -> None:
         sync.sync()
 
 
+def test_a_failure_of_the_stream_itself_is_not_called_a_transport_failure(recording) -> None:
+    """An error raised by the gather or the name mapping inside the stream reaches the caller as it is."""
+    sync, _ = recording
+    sync.sync()
+    sync.gatherer.values["_fsdp_wrapped_module.c.new"] = torch.zeros(1)  # the model grew after the plan was made
+    from fsdp_sync.pipeline import IncompleteSyncError
+
+    with pytest.raises(IncompleteSyncError, match="c.new"):
+        sync.sync()
+
+
 def test_non_sending_rank_only_drains() -> None:
     writer = ServerWriter(None, _info(), group_port=1, buffer_bytes=1024, timeout_s=5)
     assert not writer.pushes and writer.engine_dtype == torch.bfloat16
