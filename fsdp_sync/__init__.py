@@ -27,6 +27,8 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedBackendError": "backend",
     "WeightSync": "pipeline",
     "detect_backend": "backend",
+    "full_module": "full_weights",
+    "iter_full_weights": "full_weights",
     "make_gatherer": "gather",
 }
 
@@ -35,6 +37,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from .backend import Backend, UnsupportedBackendError, detect_backend
     from .config import SyncConfig
+    from .full_weights import full_module, iter_full_weights
     from .gather import make_gatherer
     from .mixin import FSDPVLLMSyncMixin
     from .peft_merge import PeftMerge, UnsupportedAdapterError

@@ -127,11 +127,14 @@ class WeightSync:
         self._plan = plan
         return plan
 
-    def _stream(self, plan: SyncPlan, counts: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _stream(
+        self, plan: SyncPlan, counts: dict[str, int], *, copy_all: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under checkpoint names, cast to the engine dtype once; copied only where the writer keeps
-        references and the gatherer frees storage at the next unit."""
+        references and the gatherer frees storage at the next unit, or always with `copy_all` (a caller that keeps
+        the last tensor while the next unit is gathered then holds that tensor, not its whole unit)."""
         dtype = self.writer.engine_dtype
-        copy = self.writer.retains_tensors and not self.gatherer.tensors_outlive_step
+        copy = copy_all or (self.writer.retains_tensors and not self.gatherer.tensors_outlive_step)
         dropped = {d.name for d in plan.dropped}
         merge_names = self.merge.names if self.merge is not None else frozenset()
         seen: set[str] = set()
@@ -158,12 +161,23 @@ class WeightSync:
                 counts["bytes"] += owned.numel() * owned.element_size()
                 counts["tensors"] += 1
                 yield name, owned
+                # NOTE: drop this frame's references before the gatherer is asked for the next unit, so that they
+                # do not keep the previous unit's buffer alive while the next one is gathered.
+                del out, owned
+            del tensor
         missing = sorted(set(plan.targets) - seen)
         if missing:
             raise IncompleteSyncError(
                 f"{len(missing)} planned parameter(s) were never gathered: {', '.join(missing[:10])}"
                 f"{' ...' if len(missing) > 10 else ''}. The model structure changed after the first sync."
             )
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The sync's stream with no writer behind it (`fsdp_sync.full_weights`): full tensors under checkpoint
+        names, cast, each its own copy; every rank must drain it (it runs the gathers)."""
+        plan = self.plan()
+        self.meter.start()
+        yield from self._stream(plan, {"bytes": 0, "tensors": 0}, copy_all=True)
 
     def _push(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Hand the stream to the writer, then agree with every rank on the outcome before anyone goes on.

@@ -64,6 +64,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sync-timeout", type=float, default=300.0, help="server mode: SyncConfig.server_timeout_s")
     p.add_argument("--server-buffer-bytes", type=int, default=None, help="server mode: SyncConfig.server_buffer_bytes")
     p.add_argument("--kill-server-pid", type=int, default=None, help="fault injection: the server's process group")
+    p.add_argument(
+        "--kill-trainer", action="store_true", help="fault injection: SIGKILL rank 0 itself instead of the server"
+    )
     p.add_argument("--kill-at-sync", type=int, default=1, help="fault injection: index of the sync to kill it in")
     p.add_argument("--kill-at-chunk", type=int, default=2, help="fault injection: gloo chunk index to kill it at")
     return p.parse_args(argv)
@@ -261,9 +264,10 @@ class ServerChecker:
         )
 
 
-def _arm_server_kill(pid: int, at_sync: int, at_chunk: int, syncs_started: list[float]) -> None:
-    """Fault injection: SIGKILL the server's process group in the middle of sync `at_sync` (0-based), just before
-    the gloo broadcast of chunk `at_chunk` of that sync (test-side wrap of the transport's send)."""
+def _arm_kill(victim: int, at_sync: int, at_chunk: int, syncs_started: list[float]) -> None:
+    """Fault injection: SIGKILL in the middle of sync `at_sync` (0-based), just before the gloo broadcast of chunk
+    `at_chunk` of that sync (test-side wrap of the transport's send). `victim` > 0: that process group (the server);
+    < 0: the process `-victim` alone (this trainer rank)."""
     import os
     import signal
 
@@ -275,7 +279,10 @@ def _arm_server_kill(pid: int, at_sync: int, at_chunk: int, syncs_started: list[
     def broadcast(group: Any, buffer: Any) -> Any:
         if len(syncs_started) - 1 == at_sync:
             if chunks["n"] == at_chunk:
-                os.killpg(pid, signal.SIGKILL)
+                if victim > 0:
+                    os.killpg(victim, signal.SIGKILL)
+                else:
+                    os.kill(-victim, signal.SIGKILL)
             chunks["n"] += 1
         return send(group, buffer)
 
@@ -404,8 +411,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     inner_sync = getattr(owner, attribute)
     sync_seconds: list[float] = []
     syncs_started: list[float] = []
-    if args.kill_server_pid is not None and result["rank"] == 0:
-        _arm_server_kill(args.kill_server_pid, args.kill_at_sync, args.kill_at_chunk, syncs_started)
+    if (args.kill_server_pid is not None or args.kill_trainer) and result["rank"] == 0:
+        victim = -os.getpid() if args.kill_trainer else args.kill_server_pid
+        _arm_kill(victim, args.kill_at_sync, args.kill_at_chunk, syncs_started)
 
     def checked_sync() -> None:
         syncs_started.append(time.perf_counter())

@@ -72,6 +72,25 @@ def test_rloo_server_mode(server: VLLMServerProcess, checkpoints, tmp_path: Path
     assert_synced_every_time(result, "fsdp2", tensors=checkpoint_tensor_count(model_dir))
 
 
+def test_server_survives_a_trainer_killed_mid_sync(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
+    """The trainer's sender is SIGKILLed in the middle of its second sync: the server's side of the round fails
+    (connection closed), finalises its reload and stays usable; the next trainer job connects to the same server and
+    every sync is bit-exact again."""
+    model_dir = checkpoints("qwen2")
+    killed = run_grpo(
+        model_dir,
+        tmp_path / "killed",
+        "fsdp2",
+        *_server_args(server.base_url, "--server-buffer-bytes", str(64 * 1024), "--kill-trainer"),
+        check=False,
+    )
+    assert killed.returncode != 0
+    assert server.process is not None and server.process.poll() is None, "the server must survive"
+    result = run_grpo(model_dir, tmp_path / "after", "fsdp2", *_server_args(server.base_url))
+    assert_synced_every_time(result, "fsdp2", tensors=checkpoint_tensor_count(model_dir))
+    assert "gloo weight transfer failed while receiving" in server.log_tail(200_000)
+
+
 def test_server_started_from_another_model_is_refused_before_sending(
     server: VLLMServerProcess, checkpoints, tmp_path: Path
 ) -> None:
