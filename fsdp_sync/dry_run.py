@@ -1,6 +1,7 @@
 """`fsdp-vllm-sync-check`: print how a model's parameters map to engine names under a backend, and every problem.
 
     fsdp-vllm-sync-check MODEL_DIR [--backend fsdp2|fsdp1|plain] [--lora q_proj,v_proj] [--dtype bfloat16]
+    fsdp-vllm-sync-check MODEL_DIR --accelerate-config fsdp1.yaml --compare-fsdp2   (fsdp_sync.migration)
 
 Builds the model the way a trainer would (FSDP2 and plain on the meta device, so no weight is read; FSDP1 needs real
 storage, so its parameters are allocated uninitialised on the CPU), wraps it on a single-process gloo group, and runs
@@ -251,22 +252,66 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default="bfloat16", help="the dtype of the trainer's parameters"
     )
+    parser.add_argument(
+        "--accelerate-config",
+        type=Path,
+        default=None,
+        metavar="YAML",
+        help="with --compare-fsdp2: the accelerate FSDP1 config the trainer runs with",
+    )
+    parser.add_argument(
+        "--compare-fsdp2",
+        action="store_true",
+        help="convert --accelerate-config with accelerate's to-fsdp2 (written next to it) and check that the "
+        "engine receives the same weights under both",
+    )
+    parser.add_argument(
+        "--engine-dtype", choices=list(DTYPES), default="bfloat16", help="with --compare-fsdp2: the engine's dtype"
+    )
     return parser
 
 
+def _compare_fsdp2(args: argparse.Namespace) -> bool:
+    from .migration import migration_check
+
+    if args.accelerate_config is None:
+        raise UsageError("--compare-fsdp2 needs --accelerate-config YAML (the FSDP1 config to convert)")
+    if not args.accelerate_config.is_file():
+        raise UsageError(f"--accelerate-config {args.accelerate_config}: no such file")
+    try:
+        return migration_check(
+            _model_dir(args.model_dir),
+            args.accelerate_config,
+            dtype=DTYPES[args.dtype],
+            engine_dtype=DTYPES[args.engine_dtype],
+            out=sys.stdout,
+        )
+    except ValueError as e:
+        raise UsageError(f"--accelerate-config {args.accelerate_config}: {e}") from e
+
+
 def _check(args: argparse.Namespace) -> int:
-    require({"transformers": "trl", **({"peft": "peft"} if args.lora else {})})
+    require(
+        {
+            "transformers": "trl",
+            **({"peft": "peft"} if args.lora else {}),
+            **({"accelerate": "trl", "yaml": "trl"} if args.compare_fsdp2 else {}),
+        }
+    )
 
     import torch.distributed as dist
 
     from .testing.dist import free_port
 
-    if args.backend != "plain" and not dist.is_initialized():
+    if (args.backend != "plain" or args.compare_fsdp2) and not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        ok = dry_run(args.model_dir, args.backend, dtype=DTYPES[args.dtype], lora=args.lora, lora_r=args.lora_r)
+        if args.compare_fsdp2:
+            ok = _compare_fsdp2(args)
+        else:
+            ok = dry_run(args.model_dir, args.backend, dtype=DTYPES[args.dtype], lora=args.lora, lora_r=args.lora_r)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
