@@ -66,7 +66,13 @@ class FSDPVLLMSyncMixin:
         self._fvs_server_address: ServerAddress | None = server_address(trainer_args)
         self._fvs_server_info: ServerInfo | None = None
         if self._fvs_server_address is not None:
-            from .writers.server import check_server
+            try:
+                from .writers.server import check_server
+            except ImportError as e:
+                raise ImportError(
+                    f"Server mode needs vLLM's weight-transfer trainer engines on the trainer ({e}); install vLLM 0.28 "
+                    "or newer next to TRL (TRL 1.16 gates the same API on 0.28)."
+                ) from e
 
             # NOTE: on every rank, before the trainer is built: TRL checks the server on the main process only, and
             # a failure there leaves the other ranks waiting in the barrier that follows. The transport is the
