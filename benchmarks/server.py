@@ -11,6 +11,7 @@ Per model and backend, after one training step, interleaved over several repetit
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -106,18 +107,15 @@ def _measure_backend(
             for _ in source:  # the other ranks take part in the gathers
                 pass
 
-    trl_meta_holder: dict[str, list[Any]] = {}
-
-    def run_trl_first() -> tuple[int, int]:
-        trl_meta_holder["meta"] = trl_metadata()  # TRL's first-sync walk over every parameter
-        meta = trl_meta_holder["meta"]
-        round_trip(_ListSource(meta, lambda: iterate(held_by_trl)), all_ranks_iterate=True)
-        return len(meta), sum(m.dtype.itemsize * _numel(m.shape) for m in meta)
+    trl_meta: list[Any] = []
 
     def run_trl() -> tuple[int, int]:
-        meta = trl_meta_holder["meta"]
-        round_trip(_ListSource(meta, lambda: iterate(held_by_trl)), all_ranks_iterate=True)
-        return len(meta), sum(m.dtype.itemsize * _numel(m.shape) for m in meta)
+        round_trip(_ListSource(trl_meta, lambda: iterate(held_by_trl)), all_ranks_iterate=True)
+        return len(trl_meta), sum(m.dtype.itemsize * math.prod(m.shape) for m in trl_meta)
+
+    def run_trl_first() -> tuple[int, int]:
+        trl_meta[:] = trl_metadata()  # TRL's first-sync walk over every parameter, kept for the later syncs
+        return run_trl()
 
     def run_floor() -> tuple[int, int]:
         round_trip(_ListSource(floor_meta, lambda: full), all_ranks_iterate=False)
@@ -148,13 +146,6 @@ def _measure_backend(
                  "accounted_peak_bytes": sync.meter.accounted_peak_bytes, "rank": rank})  # fmt: skip
     dist.barrier()
     return rows
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
 
 
 def server_worker(

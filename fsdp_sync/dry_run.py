@@ -114,40 +114,16 @@ def _add_lora(model: torch.nn.Module, targets: list[str], r: int) -> torch.nn.Mo
         ) from e
 
 
-def _unit_classes(model: torch.nn.Module) -> set[type]:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    return {type(m) for m in model.modules() if type(m).__name__ in names}
-
-
 def _wrap(model: torch.nn.Module, backend: str) -> torch.nn.Module:
+    """Wrap as a trainer would: one unit per `_no_split_modules` class, then the root (`migration.wrap_on_one_rank`)."""
+    from .migration import WrapSpec, wrap_on_one_rank
+
     match backend:
         case "plain":
             return model
-        case "fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (1,))
-            classes = tuple(_unit_classes(model))
-            for module in list(model.modules()):
-                if isinstance(module, classes):
-                    fully_shard(module, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            return model
-        case "fsdp1":
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-            model = model.to_empty(device="cpu")
-            # to_empty() makes new parameters, which unties tied embeddings; tie them again as loading does.
-            (model.get_base_model() if hasattr(model, "get_base_model") else model).tie_weights()
-            return FSDP(
-                model,
-                auto_wrap_policy=ModuleWrapPolicy(_unit_classes(model)),
-                device_id=torch.device("cpu"),
-                use_orig_params=True,
-            )
+        case "fsdp1" | "fsdp2":
+            version = 1 if backend == "fsdp1" else 2
+            return wrap_on_one_rank(model, WrapSpec(version, None, use_orig_params=True, param_dtype=None))
         case _:
             raise ValueError(f"backend {backend!r}; valid: 'fsdp1', 'fsdp2', 'plain'")
 

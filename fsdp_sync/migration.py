@@ -18,7 +18,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-__all__ = ["KEY_NOTES", "WrapSpec", "compare_plans", "migration_check", "wrap_spec"]
+__all__ = ["KEY_NOTES", "WrapSpec", "compare_plans", "migration_check", "wrap_on_one_rank", "wrap_spec"]
 
 # What each FSDP1 key that `accelerate to-fsdp2` drops or renames means for the weight sync.
 KEY_NOTES: dict[str, str] = {
@@ -82,12 +82,14 @@ def wrap_spec(config: dict[str, Any]) -> WrapSpec:
     )
 
 
-def _wrap(model: nn.Module, spec: WrapSpec) -> nn.Module:
-    """Wrap on the single-process group as accelerate would for `spec` (units first, then the root)."""
-    names = set(spec.unit_classes or getattr(model, "_no_split_modules", None) or [])
+def wrap_on_one_rank(model: nn.Module, spec: WrapSpec) -> nn.Module:
+    """Wrap on a single-process group as accelerate would for `spec` (units first, then the root); the dry run and
+    this check share it. FSDP2 keeps the meta device; FSDP1 needs real storage (uninitialised CPU memory)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the transformers model
+    names = set(spec.unit_classes or getattr(base, "_no_split_modules", None) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     missing = names - {c.__name__ for c in classes}
-    if missing:
+    if missing and spec.unit_classes:
         raise ValueError(f"fsdp_transformer_layer_cls_to_wrap names {sorted(missing)}, which the model does not have")
     if spec.version == 2:
         from torch.distributed.device_mesh import init_device_mesh
@@ -105,7 +107,8 @@ def _wrap(model: nn.Module, spec: WrapSpec) -> nn.Module:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     model = model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty() makes new parameters, which unties tied embeddings; loading ties them again
+    # to_empty() makes new parameters, which unties tied embeddings; tie them again as loading does.
+    (model.get_base_model() if hasattr(model, "get_base_model") else model).tie_weights()
     mp = MixedPrecision(param_dtype=spec.param_dtype) if spec.param_dtype is not None else None
     return FSDP(
         model,
@@ -133,7 +136,7 @@ def _plan(model_dir: Path, spec: WrapSpec, dtype: torch.dtype, engine_dtype: tor
     from .gather.flat import _gather_dtype
     from .pipeline import build_plan
 
-    model = _wrap(_load(model_dir, dtype), spec)
+    model = wrap_on_one_rank(_load(model_dir, dtype), spec)
     inner = user_model(model)
     gatherer = make_gatherer(model, detect_backend(model), SyncConfig(), engine_dtype=engine_dtype)
     plan = build_plan(gatherer, NameRules.for_model(inner), layout_for(inner))

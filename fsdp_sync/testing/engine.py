@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 import tempfile
 from typing import Any
 
@@ -156,7 +156,7 @@ def _direct_check(
     checkpoint: dict[str, torch.Tensor],
     packed: dict[str, list[str]],
     dtype: torch.dtype,
-    problem: Any,
+    problem: Callable[[str, Any, torch.Tensor], str | None],
 ) -> tuple[int, list[str]]:
     """Each engine entry with a direct counterpart, compared by `problem(name, engine value, expected tensor)`."""
     checked = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +39,20 @@ def run_grpo(
     )
 
 
-def checkpoint_tensor_count(model_dir: Path) -> int:
-    count = 0
+def _checkpoint_shapes(model_dir: Path) -> list[list[int]]:
+    shapes = []
     for f in model_dir.glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as handle:
-            count += len(list(handle.keys()))
-    return count
+            shapes += [handle.get_slice(k).get_shape() for k in handle.keys()]
+    return shapes
+
+
+def checkpoint_tensor_count(model_dir: Path) -> int:
+    return len(_checkpoint_shapes(model_dir))
+
+
+def checkpoint_numel(model_dir: Path) -> int:
+    return sum(math.prod(shape) for shape in _checkpoint_shapes(model_dir))
 
 
 def assert_synced_every_time(

@@ -11,7 +11,6 @@ Every fault must fail on every rank, within a bound, with an error that says wha
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from fsdp_sync.testing.dist import free_port
 from fsdp_sync.testing.vllm_server import VLLMServerProcess
 
-from .helpers import assert_synced_every_time, checkpoint_tensor_count, run_grpo
+from .helpers import assert_synced_every_time, checkpoint_numel, checkpoint_tensor_count, run_grpo
 
 pytestmark = pytest.mark.e2e
 
@@ -36,16 +35,6 @@ def _server_args(url: str, *extra: str) -> list[str]:
     return ["--vllm-mode", "server", "--server-url", url, "--group-port", str(free_port()), *extra]
 
 
-def _checkpoint_numel(model_dir: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for f in model_dir.glob("*.safetensors"):
-        with safe_open(str(f), framework="pt") as handle:
-            total += sum(math.prod(handle.get_slice(k).get_shape()) for k in handle.keys())
-    return total
-
-
 def _failures(result) -> list[dict]:
     assert result.returncode != 0, "the job should have failed"
     assert len(result.ranks) == 2, f"every rank must report its failure:\n{result.log[-4000:]}"
@@ -59,7 +48,7 @@ def test_grpo_server_mode(backend: str, server: VLLMServerProcess, checkpoints, 
     model_dir = checkpoints("qwen2")
     result = run_grpo(model_dir, tmp_path, backend, *_server_args(server.base_url))
     ranks = assert_synced_every_time(result, backend, tensors=checkpoint_tensor_count(model_dir))
-    bf16_bytes = 2 * _checkpoint_numel(model_dir)
+    bf16_bytes = 2 * checkpoint_numel(model_dir)
     for r in ranks:
         assert all(rep["writer"] == "server:gloo" for rep in r["reports"])
         # Sent in the server's dtype (bf16), not the trainer's fp32.
