@@ -14,6 +14,7 @@ Peak memory: the unit being pushed plus the next one being gathered, when that o
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -41,20 +42,44 @@ def _gather_dtype(dtype: torch.dtype, engine_dtype: torch.dtype | None) -> torch
     return dtype
 
 
+# How long `_InFlight.wait` lets gloo's worker thread drop its references to a finished all-gather's output.
+_RELEASE_WAIT_S = 1.0
+
+
 @dataclass
 class _InFlight:
-    """One visit's all-gather: the output buffer and the handle to wait on."""
+    """One visit's all-gather: the output buffer and the handle to wait on.
+
+    Attributes:
+        settle: after the wait, hold on until the collective's own references to `out` are gone (gloo; see `wait`).
+    """
 
     work: dist.Work | None
     out: torch.Tensor
+    settle: bool = False
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
+            # NOTE: the Work holds the output until it is destroyed, and gloo's worker thread can still hold the Work
+            # after `wait()` returns (measured on the first sync: the buffer was freed from that thread, after the
+            # next unit's buffer was allocated: two units alive instead of one). Dropping the Work here and letting
+            # the worker finish makes this rank's own release of the buffer the last one, so at most one unit is
+            # alive at a time. Bounded: past the limit the buffer is released whenever gloo lets go of it.
+            self.work = None
+            if self.settle:
+                deadline = time.monotonic() + _RELEASE_WAIT_S
+                while self.out._use_count() > 1 and time.monotonic() < deadline:
+                    time.sleep(0)
         return self.out
 
 
-def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> _InFlight:
+def _gloo() -> bool:
+    """Whether the collectives run on gloo, whose worker thread may outlive `wait()` holding the output."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
+
+
+def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, world: int, settle: bool) -> _InFlight:
     """Start an async all-gather of a 1-D tensor (equal size on every rank) into a new buffer.
 
     With one rank the shard is the full tensor: it is returned as is (no collective, no copy).
@@ -63,7 +88,7 @@ def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, world: int
         return _InFlight(None, local)
     out = torch.empty(local.numel() * world, dtype=local.dtype, device=local.device)
     work = dist.all_gather_into_tensor(out, local.contiguous(), group=group, async_op=True)
-    return _InFlight(work, out)
+    return _InFlight(work, out, settle)
 
 
 def _pipelined(
@@ -104,6 +129,7 @@ class FSDP1FlatGatherer(_FSDP1Base):
         self.engine_dtype = engine_dtype
         self.compute_device = compute_device
         self.prefetch_bytes = prefetch_bytes
+        self._settle = _gloo()
         self._units = [visit[0] for visit in self._visits]  # no companions without merge scopes
         self._sizes = [
             sum(spec.numel * _gather_dtype(spec.dtype, engine_dtype).itemsize for _, _, spec in params)
@@ -120,7 +146,7 @@ class FSDP1FlatGatherer(_FSDP1Base):
             flat = flat.to(self.compute_device)
         local = flat.to(_gather_dtype(flat.dtype, self.engine_dtype))
         world = dist.get_world_size(handle.process_group) if handle.uses_sharded_strategy else 1
-        return _all_gather(local, handle.process_group, world)
+        return _all_gather(local, handle.process_group, world, self._settle)
 
     def _finish(self, k: int, pending: _InFlight) -> Iterator[tuple[str, torch.Tensor]]:
         unit, params = self._units[k]
@@ -181,6 +207,7 @@ class FSDP2FlatGatherer:
         self.engine_dtype = engine_dtype
         self.compute_device = compute_device
         self.prefetch_bytes = prefetch_bytes
+        self._settle = _gloo()
         planned = dict(model.named_parameters())
         units = fsdp2_units(model)
         if not units:
@@ -238,7 +265,7 @@ class FSDP2FlatGatherer:
                 # while it asks for the next unit then pins one parameter, not the whole unit.
                 out = torch.empty(world * local.numel(), dtype=dtype, device=local.device)
                 work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
-                started.append((slot, _InFlight(work, out)))
+                started.append((slot, _InFlight(work, out, self._settle)))
         return started
 
     def _finish(

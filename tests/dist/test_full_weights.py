@@ -1,8 +1,8 @@
 """`iter_full_weights` and `full_module` on 2 gloo ranks (and one process): the same full weights under FSDP1
 (`use_orig_params` true and false), FSDP2, DDP and a single process, bit for bit, before and after a training step,
-with a nonzero accounted peak. NOTE: the bound "largest unit plus one tensor" (issue 12) is not asserted: runs measured
-either one unit or two (e.g. 297216 vs a 214016-byte bound under FSDP1), depending on when gloo releases a finished
-all-gather's output; the peak is recorded for that open item."""
+with the accounted peak within the largest unit plus the one tensor the caller holds (a regression test: gloo's
+worker thread used to free the first sync's root buffer after the next unit was allocated, 297216 bytes against a
+214016-byte bound)."""
 
 from __future__ import annotations
 
@@ -84,9 +84,12 @@ def scenario(rank: int, world_size: int, backend: str, use_orig_params: bool) ->
     names, problems = _compare(iter_full_weights(wrapped), reference)
     out["before"] = {"names": sorted(names), "problems": problems}
 
-    sync = full_weights_sync(wrapped)
-    _compare(sync.stream(), reference)
-    out["peak"], out["bound"] = sync.meter.accounted_peak_bytes, largest_unit + largest_tensor
+    peaks = []
+    for _ in range(4):  # fresh syncs: the release race showed on a first sync, not on every one
+        sync = full_weights_sync(wrapped)
+        _compare(sync.stream(), reference)
+        peaks.append(sync.meter.accounted_peak_bytes)
+    out["peak"], out["bound"] = max(peaks), largest_unit + largest_tensor
 
     bf16 = {n: t.to(torch.bfloat16) for n, t in reference.items()}
     out["bf16_problems"] = _compare(iter_full_weights(wrapped, dtype=torch.bfloat16), bf16)[1]
@@ -136,5 +139,5 @@ def test_full_weights_equal_the_unsharded_model(backend: str, use_orig_params: b
         assert r["full_module_problems"] == []
         assert r["after"]["changed"], "the training step changed no weight: the check after it would prove nothing"
         assert r["after"]["names"] == expected_names and r["after"]["problems"] == []
-        assert r["peak"] > 0
+        assert 0 < r["peak"] <= r["bound"], f"rank {rank}: accounted peak {r['peak']} > bound {r['bound']}"
         assert r["rank0_only"] == (len(expected_names) if rank == 0 else 0)
