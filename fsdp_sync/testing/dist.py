@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -32,6 +35,7 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable[...
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
+    faulthandler.enable()  # a native crash prints every thread's Python stack into the test's captured stderr
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -46,6 +50,15 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable[...
     finally:
         Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
         dist.destroy_process_group()
+    # NOTE: leave without interpreter finalisation. gloo's worker threads can still hold a finished collective's Work,
+    # and with it tensors owned by Python objects; destroying those during finalisation takes the GIL from a C++
+    # thread while the interpreter is torn down, which aborts the process (SIGABRT, "terminate called without an
+    # active exception"; seen in CI; pytorch/pytorch#179291 describes the mechanism). The result is on disk and the
+    # group is destroyed: nothing is left to clean up.
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str | None = None) -> list[Any]:
@@ -56,13 +69,17 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2, bac
     """
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo")
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(
-            _entry,
-            args=(world_size, free_port(), backend, fn, args, out),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
+        try:
+            mp.start_processes(
+                _entry,
+                args=(world_size, free_port(), backend, fn, args, out),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+        except mp.ProcessExitedException as e:
+            written = [r for r in range(world_size) if Path(out, f"rank{r}.pkl").exists()]
+            raise RuntimeError(f"{e} (ranks that had written their result before: {written})") from e
         results = [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
     errors = [f"rank {r}: {msg}" for r, (status, msg) in enumerate(results) if status == "error"]
     if errors:
