@@ -45,22 +45,29 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         floor = by_key.get((s["model"], s["backend"], "floor-allgather")) or by_key.get(
             (s["model"], s["backend"], "floor")
         )
+        default = by_key.get((s["model"], s["backend"], "ours-flat"))
         s["x_trl"] = trl["seconds"] / s["seconds"] if trl else None  # speed-up over TRL (>1: faster)
         s["x_floor"] = s["seconds"] / floor["seconds"] if floor else None  # time over the floor (1: at the floor)
+        s["x_default"] = s["seconds"] / default["seconds"] if default else None  # time over our default sync
     return out
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else ""
 
 
 def table(summary: list[dict[str, Any]]) -> str:
     head = (
-        "| model | backend | method | median ms | speed-up vs TRL | x floor | tensors | MB pushed | GB/s | "
-        "peak extra MB | accounted MB |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| model | backend | method | median ms | speed-up vs TRL | x floor | x default | tensors | MB pushed | GB/s | "
+        "peak extra MB | accounted MB |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     lines = [head]
     for s in summary:
         accounted = f"{s['accounted_peak_bytes'] / 1e6:.1f}" if s.get("accounted_peak_bytes") is not None else ""
         lines.append(
             f"| {s['model']} | {s['backend']} | {s['method']} | {s['seconds'] * 1e3:.1f} | "
-            f"{s['x_trl']:.2f} | {s['x_floor']:.2f} | {s['tensors']} | {s['bytes'] / 1e6:.1f} | {s['gbps']:.2f} | "
+            f"{_ratio(s['x_trl'])} | {_ratio(s['x_floor'])} | {_ratio(s.get('x_default'))} | {s['tensors']} | "
+            f"{s['bytes'] / 1e6:.1f} | {s['gbps']:.2f} | "
             f"{s['peak_extra_bytes'] / 1e6:.1f} | {accounted} |"
         )
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
     python -m benchmarks.run cpu [--reps 5] [--models qwen2-36m,qwen2-150m]
     python -m benchmarks.run server [--reps 5] [--models qwen2-36m,qwen2-150m]   (starts a vLLM CPU server per model)
+    python -m benchmarks.run safety [--reps 5] [--models qwen2-36m,qwen2-150m]   (cost of check_finite and verify)
     python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU)
     python -m benchmarks.run report [--results benchmarks/results]
 
@@ -54,6 +55,29 @@ def _cpu(args: argparse.Namespace) -> None:
 
     machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo ranks, vLLM CPU engine in each rank"
     _write("cpu", rows, args.results, machine)
+
+
+def _safety(args: argparse.Namespace) -> None:
+    import os
+
+    from fsdp_sync.testing.dist import run_distributed
+    from fsdp_sync.testing.models import build_tiny_checkpoint
+
+    from .safety import safety_worker
+    from .shapes import CPU_SHAPES
+
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            model_dir = build_tiny_checkpoint(Path(tmp) / name, CPU_SHAPES[name])
+            for rank_rows in run_distributed(safety_worker, name, str(model_dir), args.reps, world_size=2, backend="gloo"):
+                rows.extend(rank_rows)
+    machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo ranks, vLLM CPU engine in each rank"
+    _write("safety", [r for r in rows if "seconds" in r], args.results, machine)
+    digests = [r for r in rows if r.get("method") == "verify-digests" and r["rank"] == 0]
+    for r in digests:
+        seconds = sorted(r["verify_seconds"])
+        print(f"{r['model']} {r['backend']}: verify (digests both sides) median {seconds[len(seconds) // 2] * 1e3:.1f} ms")
 
 
 def _server(args: argparse.Namespace) -> None:
@@ -109,13 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     cpu.add_argument("--models", default="qwen2-36m,qwen2-150m")
     server = sub.add_parser("server")
     server.add_argument("--models", default="qwen2-36m,qwen2-150m")
+    safety = sub.add_parser("safety")
+    safety.add_argument("--models", default="qwen2-36m,qwen2-150m")
     gpu = sub.add_parser("gpu")
     gpu.add_argument("--models", default="qwen2-1.5b,qwen2-7b")
     gpu.add_argument("--world-size", type=int, default=0)
     gpu.add_argument("--check", action="store_true", help="verify the engine buffers bit for bit after each method")
     rep = sub.add_parser("report")
     rep.add_argument("--kind", default="cpu")
-    for p in (cpu, server, gpu, rep):
+    for p in (cpu, server, safety, gpu, rep):
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -124,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             _cpu(args)
         case "server":
             _server(args)
+        case "safety":
+            _safety(args)
         case "gpu":
             _gpu(args)
         case "report":

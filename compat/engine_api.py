@@ -15,7 +15,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["EngineHandle", "engine_handle", "reset_prefix_cache", "trainer_transfer_engine", "wake_up_weights"]
+__all__ = [
+    "EngineHandle",
+    "engine_handle",
+    "eager_reload_tensors",
+    "finalize_failed_reload",
+    "packed_modules",
+    "packed_modules_for_architectures",
+    "reset_prefix_cache",
+    "split_worker_digests",
+    "trainer_transfer_engine",
+    "wake_up_weights",
+]
 
 
 @dataclass(frozen=True)
@@ -31,8 +42,10 @@ class EngineHandle:
             `"load_weights"` (the model's own loader; older engines).
         model_path: the model directory or hub id the engine was started from.
         dtype: the engine's compute dtype.
-        restore_after_failed_push: a callable that puts an engine back into a usable state after a push that raised
-            mid-way, or None where the engine needs none.
+        tensor_parallel: the engine shards its weights over several workers.
+        model_config: the engine's model config.
+        layerwise: the push runs vLLM's layer-wise reload, which a push that raised part-way must end with
+            `finalize_failed_reload` (and `eager_reload_tensors` taken when it started).
     """
 
     llm: Any
@@ -42,7 +55,9 @@ class EngineHandle:
     push_kind: str
     model_path: str
     dtype: torch.dtype
-    restore_after_failed_push: Callable[[], None] | None
+    tensor_parallel: bool
+    model_config: Any
+    layerwise: bool
 
 
 def _driver_worker(llm: Any) -> Any:
@@ -59,12 +74,80 @@ def _driver_worker(llm: Any) -> Any:
     return getattr(driver, "worker", None) or driver
 
 
-def _restore_fn(model: torch.nn.Module, model_config: Any) -> Callable[[], None] | None:
+def eager_reload_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the weights that vLLM's layer-wise reload writes in place as soon as they arrive, taken once the
+    reload has started (before any weight arrived), for `finalize_failed_reload`.
+
+    Why: the reload moves a layer's weights to the meta device and buffers what arrives until the layer is complete,
+    except tensors it keeps off meta (`reload.meta.SKIP_TENSORS`, e.g. `bias`); their loaders run at once, when the
+    reload counts what a weight fills. Measured on vLLM 0.32 (Qwen2): a push stopped after layer 0's q_proj and
+    k_proj left that layer's fused `qkv_proj.bias` with new q and k rows over the previous v rows. These are small
+    (biases), so they are copied for every push. NOTE: reads `reload.layerwise.LAYERWISE_INFO` as below.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    copies: dict[str, torch.Tensor] = {}
+    for module_name, layer in model.named_modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        for name, param in layer.named_parameters(recurse=False):
+            if not param.is_meta:
+                copies[f"{module_name}.{name}" if module_name else name] = param.detach().clone()
+    return copies
+
+
+def finalize_failed_reload(
+    model: torch.nn.Module, model_config: Any, eager: dict[str, torch.Tensor] | None = None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """End a layer-wise reload that stopped part-way, leaving every engine weight either new or previous.
+
+    Why: vLLM's layer-wise reload moves each layer to the meta device and processes it once all of its weights have
+    arrived; finalising processes a layer that got only part of its weights from what it has, so the parts it never
+    got (e.g. the v rows of a fused `qkv_proj`) hold uninitialised memory (measured: NaN, 4.75e+37, zeros). Here
+    such a layer drops what it buffered first, so finalising puts its previous weights back, as for layers that
+    received nothing; the weights the reload wrote in place (`eager`, from `eager_reload_tensors`) are put back too.
+    Layers already processed keep their new weights.
+
+    NOTE: reads vLLM's per-layer reload records (`reload.layerwise.LAYERWISE_INFO`, vLLM >= 0.16). Every module gets
+    a record when the reload starts; processing a layer resets its record (`can_load()` turns false), so a record
+    that still accepts weights belongs to a layer this reload did not complete.
+
+    Returns:
+        (previous, new): the engine parameter names holding their previous values afterwards, and those holding the
+        values of this reload, each sorted. Without `eager`, a reverted layer's in-place weights (biases) may hold a
+        mix and are listed in neither.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, finalize_layerwise_reload
+
+    previous: list[str] = []
+    new: list[str] = []
+    for module_name, layer in model.named_modules():
+        info = LAYERWISE_INFO.get(layer)
+        names = [f"{module_name}.{n}" if module_name else n for n, _ in layer.named_parameters(recurse=False)]
+        if info is None or not names:
+            continue
+        if not info.can_load():
+            new += names
+        elif info.load_numel_total:
+            info.loaded_weights.clear()
+            info.load_numel = 0
+            previous += [n for n in names if eager is not None or not layer.get_parameter(n.rsplit(".", 1)[-1]).is_meta]
+    finalize_layerwise_reload(model, model_config)
+    if eager is not None:
+        with torch.no_grad():
+            for name in previous:
+                if name in eager:
+                    model.get_parameter(name).copy_(eager[name])
+    return tuple(sorted(previous)), tuple(sorted(new))
+
+
+def _has_layerwise_reload() -> bool:
     try:
-        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO  # noqa: F401
     except ImportError:  # engines without layer-wise reload do not move layers to meta during a load
-        return None
-    return lambda: finalize_layerwise_reload(model, model_config)
+        return False
+    return True
 
 
 def _takes_weights_iterator(reload: Any) -> bool:
@@ -107,14 +190,14 @@ def engine_handle(llm: Any) -> EngineHandle:
             worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
         kind = "reload_weights"
-        restore = _restore_fn(model, model_config)
+        layerwise = _has_layerwise_reload()
     elif hasattr(model, "load_weights"):
 
         def push(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
             model.load_weights(weights)
 
         kind = "load_weights"
-        restore = None
+        layerwise = False
     else:
         raise RuntimeError(
             f"The vLLM worker {type(worker).__name__} has no reload_weights and its model {type(model).__name__} has "
@@ -128,7 +211,9 @@ def engine_handle(llm: Any) -> EngineHandle:
         push_kind=kind,
         model_path=str(model_config.model),
         dtype=model_config.dtype,
-        restore_after_failed_push=restore,
+        tensor_parallel=llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size > 1,
+        model_config=model_config,
+        layerwise=layerwise,
     )
 
 
@@ -161,3 +246,42 @@ def trainer_transfer_engine(backend: str) -> type:
             f"vLLM has no trainer-side weight-transfer engine {backend!r}; registered: {sorted(registry)}"
         )
     return registry[backend]()
+
+
+def packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
+    """The engine model's fused modules (`qkv_proj: [q_proj, k_proj, v_proj]`, ...): the checkpoint modules each
+    engine parameter concatenates, in order (vLLM's `packed_modules_mapping`, a class attribute of its models)."""
+    return {k: list(v) for k, v in (getattr(type(model), "packed_modules_mapping", None) or {}).items()}
+
+
+def packed_modules_for_architectures(architectures: list[str]) -> dict[str, list[str]]:
+    """`packed_modules` of the vLLM model class that serves a checkpoint's `architectures` (server mode, where the
+    model object lives in another process); empty when vLLM has no class for it.
+
+    NOTE: `ModelRegistry._try_load_model_cls` is private; it is the registry's lookup without a model config, and
+    the one vLLM's own tooling uses for the same purpose.
+    """
+    from vllm.model_executor.models import ModelRegistry
+
+    for arch in architectures:
+        cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is not None:
+            return {k: list(v) for k, v in (getattr(cls, "packed_modules_mapping", None) or {}).items()}
+    return {}
+
+
+def split_worker_digests(checksums: dict[str, str]) -> tuple[list[dict[str, str]], bool]:
+    """vLLM's per-worker digests (`dp0:pp0:pcp0:tp0:<name>`) as one dict per data-parallel replica, and whether
+    weights are sharded over workers (tensor, pipeline or context parallel: a worker holds a part of a weight, which
+    no full tensor's digest can match)."""
+    replicas: dict[str, dict[str, str]] = {}
+    sharded = False
+    for key, digest in checksums.items():
+        parts = key.split(":", 4)
+        if len(parts) != 5:  # an engine without worker prefixes
+            replicas.setdefault("", {})[key] = digest
+            continue
+        dp, pp, pcp, tp, name = parts
+        sharded = sharded or (pp, pcp, tp) != ("pp0", "pcp0", "tp0")
+        replicas.setdefault(dp, {})[name] = digest
+    return list(replicas.values()), sharded

@@ -15,16 +15,23 @@ _EXPORTS: dict[str, str] = {
     "Backend": "backend",
     "ColocateWriter": "writers",
     "EnginePushError": "writers",
+    "EngineState": "errors",
     "EngineWriter": "writers",
     "FSDPVLLMSyncMixin": "mixin",
     "IncompleteSyncError": "pipeline",
+    "NonFiniteWeightsError": "errors",
     "PeftMerge": "peft_merge",
+    "RemoteSyncError": "errors",
     "ServerWriter": "writers",
     "SyncConfig": "config",
+    "SyncError": "errors",
     "SyncPlan": "pipeline",
     "SyncReport": "report",
+    "SyncStageError": "errors",
+    "SyncTimeoutError": "errors",
     "UnsupportedAdapterError": "peft_merge",
     "UnsupportedBackendError": "backend",
+    "VerifyError": "errors",
     "WeightSync": "pipeline",
     "detect_backend": "backend",
     "full_module": "full_weights",
@@ -37,6 +44,15 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from .backend import Backend, UnsupportedBackendError, detect_backend
     from .config import SyncConfig
+    from .errors import (
+        EngineState,
+        NonFiniteWeightsError,
+        RemoteSyncError,
+        SyncError,
+        SyncStageError,
+        SyncTimeoutError,
+        VerifyError,
+    )
     from .full_weights import full_module, iter_full_weights
     from .gather import make_gatherer
     from .mixin import FSDPVLLMSyncMixin

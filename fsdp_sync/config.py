@@ -32,6 +32,16 @@ class SyncConfig:
             each HTTP answer, each broadcast of a chunk); past it the sync fails on every rank instead of hanging.
         server_buffer_bytes: server mode: the size of one chunk on the wire (and of the send/receive buffers, two
             on the trainer's sender, one on each server worker).
+        sync_timeout_s: the bound on every wait the sync adds between ranks: the agreement on each sync's outcome
+            (how long a rank that finished waits for the others) and, on gloo, each all-gather the sync runs itself.
+            Past it every rank that is still alive raises `SyncTimeoutError` naming the ranks that did not arrive.
+            Keep it above the longest push of one rank (server mode: above `server_timeout_s`).
+        check_finite: before each sync, look for NaN/Inf in every rank's own shards (no gather; one pass over the
+            local weights); any found: every rank raises `NonFiniteWeightsError` naming them, nothing is sent.
+        verify: after each push, compare the engine's own per-parameter sha256 digests with digests of what was
+            sent (computed trainer-side in the engine's fused layout); a difference raises `VerifyError` on every
+            rank; weights the engine cannot show are reported as unverifiable. Costs a hash of every byte on both
+            sides (README "Failure behaviour" has the figures).
     """
 
     fsdp1_strategy: str = "flat"
@@ -42,6 +52,9 @@ class SyncConfig:
     log_metrics: bool = True
     server_timeout_s: float = 300.0
     server_buffer_bytes: int = 64 * 2**20
+    sync_timeout_s: float = 600.0
+    check_finite: bool = False
+    verify: bool = False
 
     def __post_init__(self) -> None:
         if self.fsdp1_strategy not in _FSDP1:
@@ -50,6 +63,8 @@ class SyncConfig:
             raise ValueError(f"prefetch_bytes={self.prefetch_bytes}; must be >= 0 (0 disables the overlap)")
         if self.server_timeout_s <= 0:
             raise ValueError(f"server_timeout_s={self.server_timeout_s}; must be > 0")
+        if self.sync_timeout_s <= 0:
+            raise ValueError(f"sync_timeout_s={self.sync_timeout_s}; must be > 0")
         if self.server_buffer_bytes <= 0:
             raise ValueError(f"server_buffer_bytes={self.server_buffer_bytes}; must be > 0")
         if self.fsdp2_strategy not in _FSDP2:

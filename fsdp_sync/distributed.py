@@ -1,68 +1,102 @@
-"""The few collectives the pipeline itself runs (the gatherers run FSDP's)."""
+"""The sync's own agreement between ranks, bounded in time, on a process group of its own.
+
+Why a group of its own: the agreement is the one wait the sync adds between ranks, and it must be bounded by the
+sync's timeout, not by the training group's (NCCL's default is 10-30 minutes, and a collective that timed out leaves
+its group unusable). A gloo group created for the purpose carries `SyncConfig.sync_timeout_s`; a timeout there
+breaks only that group, and `monitored_barrier` (gloo) names the ranks that did not arrive. The training group is
+never used for agreement, so on GPUs the agreement costs no device synchronisation either.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime
+import logging
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailure", "agree_on_failures", "all_ranks_ok", "rank", "stop_together"]
+from .errors import RankFailure, SyncTimeoutError
+
+__all__ = ["Coordinator", "distributed", "rank", "world_size"]
+
+logger = logging.getLogger(__name__)
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if distributed() else 0
 
 
-def all_ranks_ok(ok: bool) -> bool:
-    """True only if `ok` on every rank; a single process answers `ok`.
+def world_size() -> int:
+    return dist.get_world_size() if distributed() else 1
 
-    Why: a check that fails on one rank must stop every rank before the gather, or the others block in a collective.
+
+# One control group per (training world, timeout): creating a group is itself a collective, so every WeightSync
+# built at the same point on every rank gets the same group, and repeated builds (`iter_full_weights`) create none.
+_GROUPS: dict[tuple[int, float], dist.ProcessGroup] = {}
+
+
+def _control_group(timeout_s: float) -> dist.ProcessGroup:
+    key = (id(dist.group.WORLD), timeout_s)
+    group = _GROUPS.get(key)
+    if group is None:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        _GROUPS[key] = group
+    return group
+
+
+class Coordinator:
+    """Agrees with every rank on whether a stage of the sync failed, within `timeout_s`.
+
+    Must be created at the same point on every rank (it creates a process group) and used at the same points.
+
+    Args:
+        timeout_s: the bound on each agreement: how long a rank waits for the others to arrive.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return ok
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.group = _control_group(timeout_s) if world_size() > 1 else None
+        self._broken: str | None = None
 
-@dataclass(frozen=True)
-class RankFailure:
-    """What failed on one rank: the stage (`"push"`, `"gather"`, ...) and the error, as text."""
+    def agree(self, failure: RankFailure | None) -> list[RankFailure]:
+        """Every rank's failure, on every rank (empty when none failed).
 
-    rank: int
-    stage: str
-    error: str
+        The success path is one barrier and one int all-reduce on the control group; only after a failure do the
+        ranks exchange their messages.
 
-    def describe(self) -> str:
-        return f"rank {self.rank} ({self.stage}): {self.error}"
-
-
-def agree_on_failures(failure: RankFailure | None) -> list[RankFailure]:
-    """Every rank's failure, on every rank (empty when none failed).
-
-    One int all-reduce when all went well; only after a failure do the ranks exchange their messages, so that each
-    rank can name the failing ones. Every rank must call it at the same point of the sync.
-    """
-    if not all_ranks_ok(failure is None):
-        if not (dist.is_available() and dist.is_initialized()):
+        Raises:
+            SyncTimeoutError: a rank did not arrive within `timeout_s` (it is hung or dead), or a previous agreement
+                timed out (the ranks cannot agree any more).
+        """
+        if self.group is None:
             return [failure] if failure is not None else []
-        gathered: list[RankFailure | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, failure)
+        if self._broken is not None:
+            raise SyncTimeoutError(
+                f"A previous weight sync timed out ({self._broken}); the ranks can no longer agree. Restart the job."
+            )
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        try:
+            # NOTE: gloo's monitored barrier names the ranks that did not arrive (on rank 0; the others learn that
+            # rank 0 gave up); a plain all-reduce would only time out.
+            dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
+            flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            if not flag.item():
+                return []
+            gathered: list[RankFailure | None] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, failure, group=self.group)
+        except RuntimeError as e:
+            self._broken = f"{type(e).__name__}: {e}"
+            own = f" This rank had failed itself: {failure.describe()}." if failure is not None else ""
+            raise SyncTimeoutError(
+                f"Not every rank reached the end of this weight sync stage within {self.timeout_s:g} s "
+                f"(SyncConfig.sync_timeout_s) on rank {rank()}: {str(e).rstrip('.! ')}.{own} A rank that does not arrive is hung (look "
+                "for a rank still inside its engine push or a collective) or has died; the ranks cannot run "
+                "collectives together any more. Restart the job.",
+                failures=(failure,) if failure is not None else (),
+            ) from e
         return [f for f in gathered if f is not None]
-    return []
-
-
-def stop_together(error: Exception | None, stage: str, remote: type[Exception], consequence: str) -> None:
-    """Agree with every rank on this rank's `error` (None: none); then raise it here, or `remote` on the ranks that did
-    not fail, naming every failing rank, its stage and its error, followed by `consequence`.
-
-    Every rank must call it at the same point; it returns only when no rank failed.
-    """
-    failure = RankFailure(rank(), stage, f"{type(error).__name__}: {error}") if error is not None else None
-    failures = agree_on_failures(failure)
-    if error is not None:
-        raise error
-    if failures:
-        raise remote(f"The weight sync failed on {'; '.join(f.describe() for f in failures)}. {consequence}")

@@ -30,6 +30,7 @@ from fsdp_sync.compat.trl_api import (
 
 from .backend import Backend, detect_backend, user_model
 from .config import SyncConfig
+from .errors import SyncError
 from .gather import make_gatherer
 from .peft_merge import PeftMerge
 from .pipeline import SyncPlan, WeightSync
@@ -87,6 +88,7 @@ class FSDPVLLMSyncMixin:
         self._fvs_sync: WeightSync | None = None
         self._fvs_model: torch.nn.Module | None = None
         self._fvs_backend: Backend | None = None
+        self._fvs_stale = False
         self._fvs_target: TRLSyncTarget | None = find_sync_target(self)
         # The trainer's own sync, kept for DeepSpeed runs (left to it).
         self._fvs_builtin_sync = None
@@ -97,6 +99,8 @@ class FSDPVLLMSyncMixin:
                 owner = self._fvs_target.owner
                 self._fvs_builtin_sync = owner.sync_weights
                 owner.sync_weights = self.sync_weights_to_vllm
+                if callable(getattr(owner, "generate", None)):
+                    self._fvs_guard_generation(owner)
 
     # Older TRL and the experimental OnlineDPOTrainer call this method; the mixin comes first in the MRO.
     def _move_model_to_vllm(self, *args: Any, **kwargs: Any) -> None:
@@ -157,6 +161,7 @@ class FSDPVLLMSyncMixin:
             compute_device=compute_device,
             merge_scopes=(PeftMerge.tuner_layer_type(),) if rules.peft else (),
         )
+        config = self.sync_config
         return WeightSync(
             gatherer,
             writer,
@@ -164,12 +169,26 @@ class FSDPVLLMSyncMixin:
             layout=layout_for(inner),
             merge=PeftMerge.for_model(inner, rules) if rules.peft else None,
             backend=backend.value,
-            check_manifest=self.sync_config.check_manifest,
+            check_manifest=config.check_manifest,
             device=device,
+            timeout_s=config.sync_timeout_s,
+            check_finite=config.check_finite,
+            verify=config.verify,
         )
 
+    @property
+    def engine_is_current(self) -> bool:
+        """False after a failed sync until a sync succeeds: the engine may hold a mix of previous and new weights
+        (`sync_reports[-1]` says which), and generation syncs first (see `_fvs_guard_generation`)."""
+        return not self._fvs_stale
+
     def sync_weights_to_vllm(self) -> SyncReport | None:
-        """Push the trainer's current weights into the vLLM engine; every rank must call it."""
+        """Push the trainer's current weights into the vLLM engine; every rank must call it.
+
+        Raises:
+            SyncError: on every rank when the sync failed on any; the engine is then marked stale
+                (`engine_is_current` is False, a failed `SyncReport` is recorded and logged) until a sync succeeds.
+        """
         model = self.model_wrapped  # type: ignore[attr-defined]
         if model is not self._fvs_model:
             backend = detect_backend(model)
@@ -180,8 +199,24 @@ class FSDPVLLMSyncMixin:
             self._fvs_sync = self._fvs_build(model, backend)
             self._fvs_model = model
             self._fvs_backend = backend
-        assert self._fvs_sync is not None
-        report = self._fvs_sync.sync()
+        sync = self._fvs_sync
+        assert sync is not None
+        try:
+            report = sync.sync()
+        except SyncError as e:
+            # NOTE: every rank gets here together (the error was agreed), so every rank marks its engine stale, even
+            # one whose own push completed: the engines no longer hold the same weights.
+            self._fvs_stale = True
+            engine = e.engine.status if e.engine is not None else "unknown"
+            failed = SyncReport.failed(
+                e, engine, backend=sync.backend, strategy=sync.gatherer.strategy, writer=sync.writer.kind
+            )
+            self.sync_reports.append(failed)
+            logger.error("%s", failed.summary())
+            if self.sync_config.log_metrics:
+                log_sync_metrics(self, failed.metrics())
+            raise
+        self._fvs_stale = False
         if self._fvs_target is not None and self._fvs_target.sleep_mode:
             mark_weights_awake(self._fvs_target)
         self.sync_reports.append(report)
@@ -189,3 +224,19 @@ class FSDPVLLMSyncMixin:
         if self.sync_config.log_metrics:
             log_sync_metrics(self, report.metrics())
         return report
+
+    def _fvs_guard_generation(self, owner: Any) -> None:
+        """Make the trainer's vLLM generation sync first while the engine is stale.
+
+        Why: TRL syncs only when `global_step` moved since its last sync, so after a failed sync (caught by the user,
+        or a run resumed at the same step) it would generate from an engine holding a mix of old and new weights.
+        """
+        generate = owner.generate
+
+        def generate_from_current_weights(*args: Any, **kwargs: Any) -> Any:
+            if self._fvs_stale:
+                logger.warning("fsdp-vllm-sync: the last weight sync failed; syncing before generating.")
+                owner.sync_weights()  # the trainer's sync entry (ours, or whatever wraps it)
+            return generate(*args, **kwargs)
+
+        owner.generate = generate_from_current_weights

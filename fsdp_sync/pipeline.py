@@ -1,4 +1,9 @@
-"""One sync as data flowing: gatherer -> checkpoint names -> manifest check (once) -> cast -> engine writer -> report."""
+"""One sync as data flowing: gatherer -> checkpoint names -> manifest check (once) -> cast -> engine writer -> report.
+
+Failure behaviour (README "Failure behaviour"): whatever fails on one rank, every rank finishes its part of the
+gathers, then all ranks agree on the outcome within `SyncConfig.sync_timeout_s`, and every rank raises one
+`SyncError` naming each failing rank, its stage and its error, and what its own engine holds.
+"""
 
 from __future__ import annotations
 
@@ -13,24 +18,32 @@ from fsdp_sync.compat.layout import IdentityLayout, Layout
 from fsdp_sync.compat.manifest import ManifestError, PlannedTensor, TensorSpec, check_plan
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 
-from .distributed import stop_together
-from .gather.base import Gatherer
+from .distributed import Coordinator, rank
+from .errors import (
+    EngineState,
+    NonFiniteWeightsError,
+    RankFailure,
+    RemoteSyncError,
+    StreamInterrupted,
+    SyncError,
+    SyncStageError,
+    SyncTimeoutError,
+    VerifyError,
+)
+from .gather.base import Gatherer, GatherFailed
 from .memory import MemoryMeter
 from .peft_merge import PeftMerge
 from .report import SyncReport
+from .verify import EngineDigests, VerifyResult
 from .writers.base import EngineWriter
 
-__all__ = ["IncompleteSyncError", "RemoteSyncError", "SyncPlan", "WeightSync", "build_plan"]
+__all__ = ["IncompleteSyncError", "SyncPlan", "WeightSync", "build_plan"]
 
 logger = logging.getLogger(__name__)
 
 
-class IncompleteSyncError(RuntimeError):
+class IncompleteSyncError(SyncError):
     """The gather produced a different set of parameters than planned (the model changed under the sync)."""
-
-
-class RemoteSyncError(RuntimeError):
-    """The sync failed on another rank; raised on this rank so that every rank stops at the same point."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,19 @@ class SyncPlan:
     tensors: tuple[PlannedTensor, ...]
     targets: dict[str, str]
     dropped: tuple[Dropped, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class _Failure:
+    """The first failure of this rank's own stages (gather ... cast), recorded where it happened."""
+
+    stage: str | None = None
+    error: Exception | None = None
+
+    def set(self, stage: str, error: Exception) -> StreamInterrupted:
+        if self.error is None:
+            self.stage, self.error = stage, error
+        return StreamInterrupted(f"{stage}: {type(error).__name__}: {error}")
 
 
 def build_plan(gatherer: Gatherer, rules: NameRules, layout: Layout) -> SyncPlan:
@@ -74,6 +100,9 @@ class WeightSync:
         backend: name of the detected backend, for reports.
         check_manifest: check the plan against the engine before the first push (strongly recommended).
         device: device of the full tensors, for memory measurement.
+        timeout_s: the bound on each agreement between ranks (`SyncConfig.sync_timeout_s`).
+        check_finite: refuse to push when a trainer weight holds NaN or Inf (`SyncConfig.check_finite`).
+        verify: compare the engine's weight digests with what was sent after each push (`SyncConfig.verify`).
     """
 
     def __init__(
@@ -87,6 +116,9 @@ class WeightSync:
         backend: str = "",
         check_manifest: bool = True,
         device: torch.device | str = "cpu",
+        timeout_s: float = 600.0,
+        check_finite: bool = False,
+        verify: bool = False,
     ) -> None:
         self.gatherer = gatherer
         self.writer = writer
@@ -95,13 +127,21 @@ class WeightSync:
         self.merge = merge
         self.backend = backend
         self.check_manifest = check_manifest
+        self.check_finite = check_finite
+        self.verify = verify
         self.meter = MemoryMeter(torch.device(device))
+        self.coordinator = Coordinator(timeout_s)
         self._plan: SyncPlan | None = None
+        self._digests: EngineDigests | None = None
 
     @property
     def checked_plan(self) -> SyncPlan | None:
         """The plan once it has passed its check (first sync), else None; reading it runs no collective."""
         return self._plan
+
+    def _agree(self, error: Exception | None, stage: str, undefined: tuple[str, ...] = ()) -> list[RankFailure]:
+        failure = RankFailure(rank(), stage, f"{type(error).__name__}: {error}", undefined) if error is not None else None
+        return self.coordinator.agree(failure)
 
     def plan(self) -> SyncPlan:
         """Map every trainer parameter to its checkpoint name and check the result against the engine (cached).
@@ -117,9 +157,17 @@ class WeightSync:
             plan = build_plan(self.gatherer, self.rules, self.layout)
             if self.check_manifest and self.writer.pushes:
                 check_plan(plan.tensors, self.writer.manifest())
-        except (ManifestError, ValueError, FileNotFoundError) as e:
+            if self.verify and self.writer.pushes:
+                self._digests = self.writer.engine_digest_plan()
+        except Exception as e:  # every rank must learn of it before anyone gathers
             error = e
-        stop_together(error, "plan", ManifestError, "Nothing was sent.")
+        failures = self._agree(error, "plan")
+        if error is not None:
+            raise error
+        if failures:
+            manifest = all(f.error.startswith(f"{ManifestError.__name__}:") for f in failures)
+            remote = ManifestError if manifest else RemoteSyncError
+            raise remote(f"The weight sync failed on {_describe(failures)}. Nothing was sent.")
         assert plan is not None
         for d in plan.dropped:
             logger.info("weight sync: not sending %s: %s", d.name, d.reason)
@@ -127,101 +175,234 @@ class WeightSync:
         self._plan = plan
         return plan
 
+    def _check_finite(self, plan: SyncPlan) -> None:
+        """Before anything is gathered: every rank looks for NaN/Inf in its own shards (no gather); the ranks agree,
+        and if any rank found one, every rank raises naming the parameters, and nothing is sent."""
+        error: Exception | None = None
+        try:
+            flags = [
+                (name, torch.isfinite(shard).all())
+                for name, shard in self.gatherer.local_shards()
+                if shard.numel() and shard.is_floating_point()
+            ]
+            finite = torch.stack([flag for _, flag in flags]).tolist() if flags else []
+            bad = [plan.targets.get(name, name) for (name, _), ok in zip(flags, finite, strict=True) if not ok]
+            if bad:
+                error = NonFiniteWeightsError(f"NaN or Inf in this rank's shard of {len(bad)} weight(s): {', '.join(bad)}")
+        except Exception as e:
+            error = e
+        failures = self._agree(error, "check")
+        if failures:
+            raise NonFiniteWeightsError(
+                f"The weight sync refused to push non-finite weights: {_describe(failures)}. Nothing was sent; the "
+                "engine keeps the previous sync's weights. Training has diverged (look at the loss, the learning "
+                "rate, gradient clipping) or a weight was written outside training.",
+                failures=tuple(failures),
+                engine=EngineState("unchanged") if self.writer.pushes else None,
+            )
+
     def _stream(
-        self, plan: SyncPlan, counts: dict[str, int], *, copy_all: bool = False
+        self,
+        plan: SyncPlan,
+        source: Iterator[tuple[str, torch.Tensor]],
+        counts: dict[str, int],
+        failure: _Failure,
+        *,
+        copy_all: bool = False,
+        digests: EngineDigests | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under checkpoint names, cast to the engine dtype once; copied only where the writer keeps
         references and the gatherer frees storage at the next unit, or always with `copy_all` (a caller that keeps
-        the last tensor while the next unit is gathered then holds that tensor, not its whole unit)."""
+        the last tensor while the next unit is gathered then holds that tensor, not its whole unit).
+
+        A failure of any stage here (the gather, the name mapping, the merge, the conversion, the cast) is recorded
+        in `failure` and raised into the consumer as `StreamInterrupted`; the caller still drains `source`.
+        """
         dtype = self.writer.engine_dtype
         copy = copy_all or (self.writer.retains_tensors and not self.gatherer.tensors_outlive_step)
         dropped = {d.name for d in plan.dropped}
         merge_names = self.merge.names if self.merge is not None else frozenset()
         seen: set[str] = set()
-        for trainer_name, tensor in self.gatherer.iter_full(self.meter):
-            target = plan.targets.get(trainer_name)
-            if target is None:
-                if trainer_name in dropped:
-                    continue
-                raise IncompleteSyncError(
-                    f"Parameter {trainer_name!r} was gathered but is not in the sync plan; the model structure changed "
-                    "after the first sync. Rebuild the sync (the mixin does this when the model object changes)."
-                )
-            seen.add(trainer_name)
-            fresh = False
-            if self.merge is not None and target in merge_names:
-                tensor = self.merge.apply(target, tensor)
-                self.meter.hold_until_freed(tensor)
-                fresh = True
-            for name, out in self.layout.convert(target, tensor):
-                cast_to = dtype if (dtype is not None and out.is_floating_point()) else out.dtype
-                owned = out.to(dtype=cast_to, copy=copy and not fresh)
-                if owned is not out:
-                    self.meter.hold_until_freed(owned)
-                counts["bytes"] += owned.numel() * owned.element_size()
-                counts["tensors"] += 1
-                yield name, owned
-                # NOTE: drop this frame's references before the gatherer is asked for the next unit, so that they
-                # do not keep the previous unit's buffer alive while the next one is gathered.
-                del out, owned
-            del tensor
+        while True:
+            try:
+                trainer_name, tensor = next(source)
+            except StopIteration:
+                break
+            except Exception as e:
+                raise failure.set("gather", _as_gather_failure(e)) from e
+            stage = "map"
+            try:
+                target = plan.targets.get(trainer_name)
+                if target is None:
+                    if trainer_name in dropped:
+                        continue
+                    raise IncompleteSyncError(
+                        f"Parameter {trainer_name!r} was gathered but is not in the sync plan; the model structure "
+                        "changed after the first sync. Rebuild the sync (the mixin does this when the model object "
+                        "changes)."
+                    )
+                seen.add(trainer_name)
+                fresh = False
+                if self.merge is not None and target in merge_names:
+                    stage = "merge"
+                    tensor = self.merge.apply(target, tensor)
+                    self.meter.hold_until_freed(tensor)
+                    fresh = True
+                stage = "convert"
+                for name, out in self.layout.convert(target, tensor):
+                    stage = "cast"
+                    cast_to = dtype if (dtype is not None and out.is_floating_point()) else out.dtype
+                    owned = out.to(dtype=cast_to, copy=copy and not fresh)
+                    if owned is not out:
+                        self.meter.hold_until_freed(owned)
+                    counts["bytes"] += owned.numel() * owned.element_size()
+                    counts["tensors"] += 1
+                    if digests is not None:
+                        digests.add(name, owned)
+                    yield name, owned
+                    # NOTE: drop this frame's references before the gatherer is asked for the next unit, so that they
+                    # do not keep the previous unit's buffer alive while the next one is gathered.
+                    del out, owned
+                    stage = "convert"
+                del tensor
+            except Exception as e:
+                raise failure.set(stage, e) from e
         missing = sorted(set(plan.targets) - seen)
         if missing:
-            raise IncompleteSyncError(
+            error = IncompleteSyncError(
                 f"{len(missing)} planned parameter(s) were never gathered: {', '.join(missing[:10])}"
                 f"{' ...' if len(missing) > 10 else ''}. The model structure changed after the first sync."
             )
+            raise failure.set("map", error)
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The sync's stream with no writer behind it (`fsdp_sync.full_weights`): full tensors under checkpoint
         names, cast, each its own copy; every rank must drain it (it runs the gathers)."""
         plan = self.plan()
         self.meter.start()
-        yield from self._stream(plan, {"bytes": 0, "tensors": 0}, copy_all=True)
+        failure = _Failure()
+        try:
+            yield from self._stream(plan, iter(self.gatherer.iter_full(self.meter)), {"bytes": 0, "tensors": 0},
+                                    failure, copy_all=True)  # fmt: skip
+        except StreamInterrupted as e:
+            assert failure.error is not None
+            raise failure.error from e.__cause__
 
-    def _push(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Hand the stream to the writer, then agree with every rank on the outcome before anyone goes on.
+    def _push(self, plan: SyncPlan, counts: dict[str, int], digests: EngineDigests | None) -> EngineState | None:
+        """Hand the stream to the writer, finish this rank's share of the gathers whatever happened, then agree with
+        every rank on the outcome before anyone goes on.
 
-        NOTE: the gather inside the stream is a sequence of collectives that every rank runs. A writer that fails
-        part-way (a dead server, an engine error) stops consuming it; the rest of the stream is then drained here so
-        that this rank still enters every collective the other ranks are waiting in. Only then do all ranks agree on
-        the outcome (one int all-reduce), so a failure on any rank is raised on every rank and none blocks.
+        NOTE: the gather inside the stream is a sequence of collectives that every rank runs. When anything on this
+        rank fails part-way (its gather work, the mapping, the merge, the cast, the engine, the transport), the
+        writer stops consuming; the rest of the gather is then drained here (the flat gatherers keep running their
+        collectives even after a failure of their own), so this rank still enters every collective the other ranks
+        are waiting in. Only then do all ranks agree on the outcome, on a group of their own and within
+        `sync_timeout_s`, so a failure on any rank is raised on every rank and none blocks.
+
+        Returns:
+            this rank's engine state (None on a rank that does not push).
         """
-        error: Exception | None = None
+        failure = _Failure()
+        source = iter(self.gatherer.iter_full(self.meter))
+        writer_error: Exception | None = None
+        engine: EngineState | None = None
+        leftover = 0
         if self.writer.pushes:
+            stream = self._stream(plan, source, counts, failure, digests=digests)
             try:
                 self.writer.write(stream)
+                engine = EngineState("current")
             except Exception as e:
-                error = e
-        leftover = sum(1 for _ in stream)
-        if error is None and leftover and self.writer.pushes:
-            error = IncompleteSyncError(
-                f"{self.writer.kind} stopped {leftover} tensor(s) before the end of the weight stream"
-            )
-        stop_together(
-            error,
-            "push",
-            RemoteSyncError,
-            "This rank took part in every gather and stopped with the others; see the failing rank's error.",
-        )
-        if self.writer.pushes:
-            self.writer.finish()
+                writer_error = e
+                engine = e.engine if isinstance(e, SyncError) and e.engine is not None else EngineState("undefined")
+            else:  # a writer that returned before the end of the stream: what it left is counted
+                try:
+                    leftover = sum(1 for _ in stream)
+                except StreamInterrupted:
+                    pass  # recorded in `failure`
+        else:  # a rank that does not push runs the gathers only; its figures are the plan's
+            counts["tensors"] = len(plan.tensors)
+            counts["bytes"] = sum(_wire_bytes(t.spec, self.writer.engine_dtype) for t in plan.tensors)
+        try:
+            for _ in source:
+                pass
+        except Exception as e:
+            failure.set("gather", _as_gather_failure(e))
+        local: Exception | None = failure.error
+        stage = failure.stage or "push"
+        if local is None:
+            local = writer_error
+        if local is None and leftover and self.writer.pushes:
+            local = IncompleteSyncError(f"{self.writer.kind} stopped {leftover} tensor(s) before the end of the stream")
+        if local is None and self.writer.pushes:
+            try:
+                self.writer.finish()
+            except Exception as e:
+                local = e
+        placeholders = local.placeholders if isinstance(local, GatherFailed) else ()
+        undefined = tuple(t.name for t in plan.tensors if set(t.sources) & set(placeholders))
+        try:
+            failures = self._agree(local, stage, undefined)
+        except SyncTimeoutError as e:
+            e.engine = engine
+            raise
+        if failures:
+            tainted = tuple(name for f in failures if f.rank != rank() for name in f.undefined)
+            if tainted and engine is not None and engine.status != "unchanged":
+                ranks = sorted({f.rank for f in failures if f.undefined})
+                engine = engine.with_undefined(
+                    tainted, f"rank(s) {', '.join(map(str, ranks))} joined these all-gathers with placeholder shards"
+                )
+            raise _agreed_error(local, failures, engine)
+        return engine
+
+    def _verify(self, digests: EngineDigests) -> VerifyResult:
+        """Compare the engine's own digests with what this rank sent; agreed on every rank."""
+        result: VerifyResult | None = None
+        error: Exception | None = None
+        try:
+            replicas, sharded = self.writer.engine_digests()
+            result = digests.compare(replicas, sharded=sharded)
+            if result.mismatched:
+                error = VerifyError(result.describe())
+        except Exception as e:
+            error = e
+        failures = self._agree(error, "verify")
+        if failures:
+            engine = EngineState("undefined", note="the engine's weights differ from what was sent") if error else None
+            raise _agreed_error(error, failures, engine)
+        assert result is not None or not self.writer.pushes
+        return result or VerifyResult()
 
     def sync(self) -> SyncReport:
         """Gather, map, cast and push every parameter once; every rank must call it (it runs collectives).
 
         Raises:
-            The push's own error on a rank whose writer failed, and `RemoteSyncError` on every other rank, after all
-            ranks have finished the gather (see `_push`).
+            SyncError: on every rank when any rank failed (see `_push`); `NonFiniteWeightsError` before anything is
+                sent with `check_finite`; `VerifyError` with `verify` when the engine differs from what was sent;
+                `SyncTimeoutError` when a rank does not arrive in time.
         """
         plan = self.plan()
+        if self.check_finite:
+            self._check_finite(plan)
         counts = {"bytes": 0, "tensors": 0}
+        digests = self._digests
+        if digests is not None:
+            digests.reset()
         self.meter.start()
         start = time.perf_counter()
-        self._push(self._stream(plan, counts))
+        self._push(plan, counts, digests)
         if self.meter.device.type == "cuda":
             torch.cuda.synchronize(self.meter.device)
         seconds = time.perf_counter() - start
+        verified: VerifyResult | None = None
+        verify_seconds = 0.0
+        if self.verify:
+            started = time.perf_counter()
+            verified = self._verify(digests) if digests is not None else self._verify_elsewhere()
+            verify_seconds = time.perf_counter() - started + (digests.seconds if digests is not None else 0.0)
+            if verified.unverifiable:
+                logger.warning("weight sync: %s", verified.describe_unverifiable())
         return SyncReport(
             seconds=seconds,
             bytes=counts["bytes"],
@@ -231,4 +412,56 @@ class WeightSync:
             backend=self.backend,
             strategy=self.gatherer.strategy,
             writer=self.writer.kind,
+            verified=verified.checked if verified is not None else None,
+            unverifiable=len(verified.unverifiable) if verified is not None else None,
+            verify_seconds=verify_seconds,
         )
+
+    def _verify_elsewhere(self) -> VerifyResult:
+        """A rank that does not push takes part in the agreement on the pushing rank's verification."""
+        failures = self._agree(None, "verify")
+        if failures:
+            raise _agreed_error(None, failures, None)
+        return VerifyResult()
+
+
+def _wire_bytes(spec: TensorSpec, engine_dtype: torch.dtype | None) -> int:
+    dtype = engine_dtype if (engine_dtype is not None and spec.dtype.is_floating_point) else spec.dtype
+    return spec.numel * dtype.itemsize
+
+
+def _describe(failures: list[RankFailure]) -> str:
+    return "; ".join(f.describe() for f in failures)
+
+
+def _agreed_error(local: Exception | None, failures: list[RankFailure], engine: EngineState | None) -> SyncError:
+    """The one error every rank raises after a failed stage: this rank's own (its type kept where it is a
+    `SyncError`; chained to it) or `RemoteSyncError`, naming every failing rank, stage and error, and saying what
+    this rank's engine holds and what happens next."""
+    state = f" This rank's engine {engine.describe()}." if engine is not None else ""
+    parts = [f"The weight sync failed on {_describe(failures)}.{state}"]
+    if local is None:
+        parts.append("This rank did its part of every gather and stopped with the others.")
+    parts.append("The next sync sends every weight.")
+    message = " ".join(p for p in parts if p)
+    if local is None:
+        return RemoteSyncError(message, failures=tuple(failures), engine=engine)
+    cls = type(local) if isinstance(local, SyncError) else SyncStageError
+    error = cls(message, failures=tuple(failures), engine=engine)
+    error.__cause__ = local
+    return error
+
+
+def _as_gather_failure(error: Exception) -> Exception:
+    """What a gatherer raised, as the gather stage's failure: its own account (`GatherFailed`, a timed-out wait)
+    as it is; anything else means it died inside a collective it does not run itself (FSDP's own unshard)."""
+    if isinstance(error, (GatherFailed, SyncTimeoutError)):
+        return error
+    failed = GatherFailed(
+        f"{type(error).__name__}: {error} (this rank left the gather part-way, inside FSDP's own unshard: the other "
+        "ranks may wait in that collective until the training process group's timeout; the flat strategies, the "
+        "default, run their collectives themselves and never leave one part-way)",
+        completed=False,
+    )
+    failed.__cause__ = error
+    return failed

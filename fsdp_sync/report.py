@@ -18,6 +18,13 @@ class SyncReport:
         peak_extra_bytes: peak memory the sync added on this rank (see `memory_source`).
         memory_source: `"cuda_allocator"` (measured) or `"accounted"` (sum of the full tensors the sync held).
         backend, strategy, writer: what ran.
+        ok: False for a sync that failed (its figures are zero; `error` says why, `engine` what the engine holds).
+        engine: this rank's engine after the sync: `"current"`, or after a failure `"unchanged"`, `"mixed"`,
+            `"undefined"` (see `fsdp_sync.errors.EngineState`).
+        error: the error every rank raised, for a failed sync.
+        verified: with `SyncConfig(verify=True)`: engine weights whose digest matched what was sent.
+        unverifiable: with `verify`: engine weights that could not be compared (named in the logs).
+        verify_seconds: with `verify`: time spent on digests, trainer and engine side (not in `seconds`).
     """
 
     seconds: float
@@ -28,6 +35,17 @@ class SyncReport:
     backend: str
     strategy: str
     writer: str
+    ok: bool = True
+    engine: str = "current"
+    error: str | None = None
+    verified: int | None = None
+    unverifiable: int | None = None
+    verify_seconds: float = 0.0
+
+    @classmethod
+    def failed(cls, error: BaseException, engine: str, *, backend: str, strategy: str, writer: str) -> SyncReport:
+        """The record of a sync that raised."""
+        return cls(0.0, 0, 0, 0, "", backend, strategy, writer, ok=False, engine=engine, error=f"{type(error).__name__}: {error}")
 
     @property
     def gbps(self) -> float:
@@ -36,15 +54,24 @@ class SyncReport:
 
     def metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
         """Scalar metrics for the trainer's logs (TensorBoard, W&B)."""
-        return {
+        if not self.ok:
+            return {f"{prefix}failed": 1.0}
+        metrics = {
             f"{prefix}seconds": self.seconds,
             f"{prefix}gbytes": self.bytes / 1e9,
             f"{prefix}gbps": self.gbps,
             f"{prefix}tensors": float(self.tensors),
             f"{prefix}peak_extra_gbytes": self.peak_extra_bytes / 1e9,
+            f"{prefix}failed": 0.0,
         }
+        if self.verified is not None:
+            metrics[f"{prefix}verify_seconds"] = self.verify_seconds
+            metrics[f"{prefix}unverifiable"] = float(self.unverifiable or 0)
+        return metrics
 
     def summary(self) -> str:
+        if not self.ok:
+            return f"weight sync [{self.backend}/{self.strategy} -> {self.writer}] FAILED; engine {self.engine}: {self.error}"
         return (
             f"weight sync [{self.backend}/{self.strategy} -> {self.writer}]: {self.tensors} tensors, "
             f"{self.bytes / 1e6:.2f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..backend import Backend, UnsupportedBackendError, unwrap_outer
 from ..config import SyncConfig
-from .base import Gatherer
+from .base import GatherFailed, Gatherer
 from .fsdp1 import FSDP1RootSummonGatherer, FSDP1UnitGatherer
 from .flat import FSDP1FlatGatherer, FSDP2FlatGatherer
 from .fsdp2 import FSDP2ParamGatherer, FSDP2UnitGatherer
@@ -24,6 +24,7 @@ __all__ = [
     "FSDP2FlatGatherer",
     "FSDP2ParamGatherer",
     "FSDP2UnitGatherer",
+    "GatherFailed",
     "Gatherer",
     "PlainGatherer",
     "make_gatherer",
@@ -59,7 +60,11 @@ def make_gatherer(
             return FSDP1RootSummonGatherer(inner)
         case Backend.FSDP1, "flat":
             return FSDP1FlatGatherer(
-                inner, engine_dtype=engine_dtype, compute_device=compute_device, prefetch_bytes=config.prefetch_bytes
+                inner,
+                engine_dtype=engine_dtype,
+                compute_device=compute_device,
+                prefetch_bytes=config.prefetch_bytes,
+                timeout_s=config.sync_timeout_s,
             )
         case Backend.FSDP2, "unit":
             return FSDP2UnitGatherer(
@@ -69,7 +74,11 @@ def make_gatherer(
             return FSDP2ParamGatherer(inner, compute_device=compute_device)
         case Backend.FSDP2, "flat":
             return FSDP2FlatGatherer(
-                inner, engine_dtype=engine_dtype, compute_device=compute_device, prefetch_bytes=config.prefetch_bytes
+                inner,
+                engine_dtype=engine_dtype,
+                compute_device=compute_device,
+                prefetch_bytes=config.prefetch_bytes,
+                timeout_s=config.sync_timeout_s,
             )
         case (Backend.DDP | Backend.PLAIN), _:
             return PlainGatherer(inner)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol
+import logging
+from collections.abc import Callable, Iterator
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -12,7 +13,11 @@ from fsdp_sync.compat.manifest import TensorSpec
 
 from ..memory import MemoryMeter
 
-__all__ = ["Gatherer", "group_units", "local_named_parameters", "spec_of"]
+__all__ = ["FailureLatch", "GatherFailed", "Gatherer", "group_units", "local_named_parameters", "spec_of"]
+
+_T = TypeVar("_T")
+
+logger = logging.getLogger(__name__)
 
 
 class Gatherer(Protocol):
@@ -36,6 +41,88 @@ class Gatherer(Protocol):
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every parameter's full tensor once. Every rank must exhaust it: it runs collectives."""
         ...
+
+    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's own part of every parameter, by the trainer names of `specs`, without any collective (empty
+        where the rank holds none of it); for checks that need no gather (`SyncConfig.check_finite`)."""
+        ...
+
+
+class GatherFailed(RuntimeError):
+    """This rank's own gather work failed (the original error is the cause).
+
+    Attributes:
+        completed: True when this rank still ran every remaining collective of the gather, so no other rank waits
+            for it and the training process group stays usable; False when it left the gather part-way (inside
+            FSDP's own unshard), so the other ranks may wait in that collective until the process group's timeout.
+        placeholders: trainer names of the parameters whose all-gather this rank joined with placeholder data (its
+            own shard could not be prepared): the other ranks received undefined values for them.
+    """
+
+    def __init__(self, message: str, *, completed: bool, placeholders: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.completed = completed
+        self.placeholders = placeholders
+
+
+class FailureLatch:
+    """Remembers the first failure of a gatherer's own (non-collective) work on this rank, so the gatherer can run
+    its remaining collectives, yield nothing more, and raise `GatherFailed` at the end."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+        self.placeholders: list[str] = []
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def reset(self) -> None:
+        self.error = None
+        self.placeholders = []
+
+    def _record(self, error: Exception) -> None:
+        if self.error is None:
+            logger.error(
+                "weight sync: this rank's gather work failed; it runs the remaining all-gathers and then fails the "
+                "sync on every rank",
+                exc_info=error,
+            )
+            self.error = error
+        # NOTE: a stored traceback keeps its frames and their callers' frames alive, with their locals: here the
+        # gatherer's own frames, which hold the unit's buffers and the in-flight Work (measured: a gathered buffer
+        # pinned for the whole gather, and gloo's release wait running into its 1 s bound). It was logged above.
+        error.__traceback__ = None
+
+    def run(self, work: Callable[[], _T]) -> _T | None:
+        """Work that only this rank needs (after a collective): `work()`, or None when it raises (recorded) or when
+        a failure was recorded before (then it is not run: this rank yields nothing more)."""
+        if self.error is not None:
+            return None
+        try:
+            return work()
+        except Exception as e:
+            self._record(e)
+            return None
+
+    def attempt(self, work: Callable[[], _T], names: list[str]) -> _T | None:
+        """Work whose result the other ranks receive (a shard before its all-gather): always tried, even after a
+        failure, so that the other ranks get real data wherever this rank can still provide it; None when it
+        raises (recorded, and `names` listed as joined with placeholders)."""
+        try:
+            return work()
+        except Exception as e:
+            self._record(e)
+            self.placeholders += names
+            return None
+
+    def raise_if_failed(self, *, completed: bool) -> None:
+        if self.error is not None:
+            error, placeholders = self.error, tuple(self.placeholders)
+            self.reset()
+            raise GatherFailed(
+                f"{type(error).__name__}: {error}", completed=completed, placeholders=placeholders
+            ) from error
 
 
 def spec_of(param: torch.Tensor) -> TensorSpec:

@@ -9,10 +9,19 @@ these gatherers run the collective themselves, on the unit's process group, read
 
 Peak memory: the unit being pushed plus the next one being gathered, when that one is no larger than the configured
 `prefetch_bytes` (the "bucket"); larger units are gathered after the push of the previous one.
+
+Failures on one rank: these gatherers run every collective themselves, so when this rank's own work fails (reading
+or casting its shard, unflattening a gathered unit), it keeps running the remaining all-gathers of the sync, yields
+nothing more, and raises `GatherFailed` at the end. A shard it cannot prepare is replaced by a placeholder of the
+same size (the other ranks then receive undefined values for that unit, and `GatherFailed.placeholders` names
+them); later shards are still prepared, so the other ranks get real data wherever this rank can give it. No other
+rank waits for a collective this rank does not enter, and the training process group stays usable. On gloo each wait is
+bounded by the sync's timeout (`SyncConfig.sync_timeout_s`); NCCL's waits are bounded by NCCL itself.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -26,13 +35,13 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_sync.compat.manifest import CASTABLE_DTYPES, TensorSpec
 
+from ..errors import SyncTimeoutError
 from ..memory import MemoryMeter
-from .base import local_named_parameters, spec_of
+from .base import FailureLatch, local_named_parameters, spec_of
 from .fsdp1 import _FSDP1Base
-from .fsdp2 import _full_tensor, fsdp2_units
+from .fsdp2 import _full_tensor, fsdp2_local_shards, fsdp2_units
 
 __all__ = ["FSDP1FlatGatherer", "FSDP2FlatGatherer"]
-
 
 
 def _gather_dtype(dtype: torch.dtype, engine_dtype: torch.dtype | None) -> torch.dtype:
@@ -58,16 +67,31 @@ class _InFlight:
     out: torch.Tensor
     settle: bool = False
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, timeout: datetime.timedelta | None) -> torch.Tensor:
+        """The gathered buffer; `timeout` bounds the wait (gloo; None: the process group's own bound)."""
         if self.work is not None:
-            self.work.wait()
+            if timeout is None:
+                self.work.wait()
+            else:
+                try:
+                    self.work.wait(timeout)
+                except RuntimeError as e:
+                    raise SyncTimeoutError(
+                        f"An all-gather of the weight sync did not complete within {timeout.total_seconds():g} s "
+                        f"(SyncConfig.sync_timeout_s) on rank {dist.get_rank()}: {str(e).rstrip('.! ')}. Another rank "
+                        "did not join it: "
+                        "it is hung (e.g. still inside its engine push) or it died. The training process group "
+                        "cannot be used any more; restart the job"
+                    ) from e
             # NOTE: the Work holds the output until it is destroyed, and gloo's worker thread can still hold the Work
             # after `wait()` returns (measured on the first sync: the buffer was freed from that thread, after the
             # next unit's buffer was allocated: two units alive instead of one). Dropping the Work here and letting
             # the worker finish makes this rank's own release of the buffer the last one, so at most one unit is
             # alive at a time. Bounded: past the limit the buffer is released whenever gloo lets go of it.
+            # `_use_count` (the C++ reference count) is the only way to see gloo's reference; it is private, hence
+            # the guard.
             self.work = None
-            if self.settle:
+            if self.settle and hasattr(self.out, "_use_count"):
                 deadline = time.monotonic() + _RELEASE_WAIT_S
                 while self.out._use_count() > 1 and time.monotonic() < deadline:
                     time.sleep(0)
@@ -92,10 +116,16 @@ def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, world: int
 
 
 def _pipelined(
-    n: int, start: Callable[[int], object], finish: Callable[[int, object], Iterator], sizes: list[int], limit: int
+    n: int,
+    start: Callable[[int], object],
+    finish: Callable[[int, object], Iterator],
+    sizes: list[int],
+    limit: int,
+    latch: FailureLatch,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield visit k's tensors from `finish(k, start(k))`, starting visit k+1's gather before that when it fits in
-    `limit` bytes (so at most one unit plus `limit` bytes are gathered at once)."""
+    `limit` bytes (so at most one unit plus `limit` bytes are gathered at once). Once `latch` holds a failure,
+    `start` and `finish` only run the collectives; at the end the failure is raised (`GatherFailed`)."""
     pending = start(0) if n else None
     for k in range(n):
         early = k + 1 < n and sizes[k + 1] <= limit
@@ -104,9 +134,22 @@ def _pipelined(
         pending = None  # release visit k's buffer before a late start allocates the next one
         if k + 1 < n:
             pending = following if early else start(k + 1)
+    latch.raise_if_failed(completed=True)
 
 
-class FSDP1FlatGatherer(_FSDP1Base):
+class _FlatBase:
+    """What both flat gatherers share: the failure latch, the bound on waits, gloo's buffer settling."""
+
+    def _init_flat(self, timeout_s: float | None) -> None:
+        self._settle = _gloo()
+        # NOTE: a bounded `wait(timeout)` is a blocking wait; on NCCL it would also make the host wait for the
+        # device, so NCCL's waits keep their own bound (the process group's timeout and watchdog).
+        bounded = self._settle and timeout_s is not None
+        self._timeout = datetime.timedelta(seconds=timeout_s) if bounded else None
+        self._latch = FailureLatch()
+
+
+class FSDP1FlatGatherer(_FSDP1Base, _FlatBase):
     """FSDP1: all-gather each unit's local flat-parameter shard, cast to the engine dtype, and unflatten it.
 
     NOTE: reads FSDP1's flat-parameter handle (`_handle.flat_param`, its process group and `_get_unflat_views`), the
@@ -124,49 +167,66 @@ class FSDP1FlatGatherer(_FSDP1Base):
         engine_dtype: torch.dtype | None = None,
         compute_device: torch.device | None = None,
         prefetch_bytes: int = 2**30,
+        timeout_s: float | None = None,
     ) -> None:
         super().__init__(model)
+        self._init_flat(timeout_s)
         self.engine_dtype = engine_dtype
         self.compute_device = compute_device
         self.prefetch_bytes = prefetch_bytes
-        self._settle = _gloo()
         self._units = [visit[0] for visit in self._visits]  # no companions without merge scopes
         self._sizes = [
             sum(spec.numel * _gather_dtype(spec.dtype, engine_dtype).itemsize for _, _, spec in params)
             for _, params in self._units
         ]
 
+    def _prepare(self, k: int) -> torch.Tensor:
+        """This rank's shard of unit k, on the compute device, in the gather dtype (this rank's own work)."""
+        flat = self._units[k][0]._handle.flat_param.detach()
+        if self.compute_device is not None:
+            flat = flat.to(self.compute_device)
+        return flat.to(_gather_dtype(flat.dtype, self.engine_dtype))
+
     def _start(self, k: int) -> _InFlight:
         unit, params = self._units[k]
         handle = unit._handle
         if handle is None or not params:
             return _InFlight(None, torch.empty(0))
-        flat = handle.flat_param.detach()
-        if self.compute_device is not None:
-            flat = flat.to(self.compute_device)
-        local = flat.to(_gather_dtype(flat.dtype, self.engine_dtype))
         world = dist.get_world_size(handle.process_group) if handle.uses_sharded_strategy else 1
+        local = self._latch.attempt(lambda: self._prepare(k), [name for name, _, _ in params])
+        if local is None:  # this rank failed: join the all-gather with a placeholder of the same size
+            if world == 1:
+                return _InFlight(None, torch.empty(0))
+            flat = handle.flat_param
+            dtype = _gather_dtype(flat.dtype, self.engine_dtype)
+            local = torch.empty(flat.numel(), dtype=dtype, device=self.compute_device or flat.device)
         return _all_gather(local, handle.process_group, world, self._settle)
 
-    def _finish(self, k: int, pending: _InFlight) -> Iterator[tuple[str, torch.Tensor]]:
+    def _views(self, k: int, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         unit, params = self._units[k]
-        if not params:
-            return
-        full = pending.wait()
         handle = unit._handle
         numel = handle.flat_param._unpadded_unsharded_size.numel()
         views = handle._get_unflat_views(full[:numel])
-        for (name, _, _), view in zip(params, views, strict=True):
-            yield name, view
+        return [(name, view) for (name, _, _), view in zip(params, views, strict=True)]
+
+    def _finish(self, k: int, pending: _InFlight) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self._units[k][1]:
+            return
+        full = pending.wait(self._timeout)
+        items = self._latch.run(lambda: self._views(k, full))
+        del full
+        yield from items or ()
 
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+        self._latch.reset()
+
         def start(k: int) -> _InFlight:
             pending = self._start(k)
             if pending.work is not None:  # a new buffer (with one rank the shard itself is used)
                 meter.hold_until_freed(pending.out)
             return pending
 
-        yield from _pipelined(len(self._units), start, self._finish, self._sizes, self.prefetch_bytes)
+        yield from _pipelined(len(self._units), start, self._finish, self._sizes, self.prefetch_bytes, self._latch)
         yield from self._iter_ignored()
 
 
@@ -175,13 +235,28 @@ class _Slot:
     name: str
     rows: int  # rows per rank (ceil of dim 0 over the world size)
     shape: tuple[int, ...]
+    dtype: torch.dtype  # on the wire
 
     @property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:])
 
+    @property
+    def local_numel(self) -> int:
+        return self.rows * self.row_numel
 
-class FSDP2FlatGatherer:
+
+@dataclass(frozen=True)
+class _Visit:
+    """One unit: the names it yields in order, the parameters gathered flat, the rest (full_tensor), and its mesh."""
+
+    names: list[str]
+    slots: list[_Slot]
+    others: list[str]
+    mesh: object
+
+
+class FSDP2FlatGatherer(_FlatBase):
     """FSDP2: each parameter's local shard, cast to the engine dtype, all-gathered straight into its full layout
     (asynchronously, all of a unit's gathers in flight together, the next unit's started during the current push).
 
@@ -202,92 +277,117 @@ class FSDP2FlatGatherer:
         engine_dtype: torch.dtype | None = None,
         compute_device: torch.device | None = None,
         prefetch_bytes: int = 2**30,
+        timeout_s: float | None = None,
     ) -> None:
+        self._init_flat(timeout_s)
         self.model = model
         self.engine_dtype = engine_dtype
         self.compute_device = compute_device
         self.prefetch_bytes = prefetch_bytes
-        self._settle = _gloo()
         planned = dict(model.named_parameters())
         units = fsdp2_units(model)
         if not units:
             raise ValueError(f"{type(model).__name__} contains no FSDP2 (fully_shard) unit")
         visits = ([] if isinstance(model, FSDPModule) else [("", model)]) + units
         emitted: set[str] = set()
-        # Per visit: the names in yield order, {dtype: (slots, output numel)}, and the mesh.
-        self._visits: list[tuple[list[str], dict[torch.dtype, tuple[list[_Slot], int]], object]] = []
+        self._visits: list[_Visit] = []
         for path, unit in visits:
             names = [n for n, _ in local_named_parameters(unit, path, FSDPModule) if n in planned and n not in emitted]
             emitted.update(names)
-            groups: dict[torch.dtype, tuple[list[_Slot], int]] = {}
+            slots: list[_Slot] = []
+            others: list[str] = []
             mesh = None
             for name in names:
                 param = planned[name]
                 if not _flat_gatherable(param):
+                    others.append(name)
                     continue
                 mesh = param.device_mesh
                 rows = math.ceil(param.shape[0] / mesh.size())
-                dtype = _gather_dtype(param.dtype, engine_dtype)
-                slots, size = groups.get(dtype, ([], 0))
-                slot = _Slot(name, rows, tuple(param.shape))
-                slots.append(slot)
-                groups[dtype] = (slots, size + mesh.size() * rows * slot.row_numel)
-            self._visits.append((names, groups, mesh))
-        self._specs = {n: spec_of(planned[n]) for names, _, _ in self._visits for n in names}
-        self._sizes = [sum(size * dtype.itemsize for dtype, (_, size) in groups.items()) for _, groups, _ in self._visits]
+                slots.append(_Slot(name, rows, tuple(param.shape), _gather_dtype(param.dtype, engine_dtype)))
+            # Grouped by wire dtype, as the collectives are launched.
+            slots.sort(key=lambda slot: str(slot.dtype))
+            self._visits.append(_Visit(names, slots, others, mesh))
+        self._specs = {n: spec_of(planned[n]) for visit in self._visits for n in visit.names}
+        self._sizes = [
+            sum(visit.mesh.size() * s.local_numel * s.dtype.itemsize for s in visit.slots) if visit.slots else 0
+            for visit in self._visits
+        ]
 
     def specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
 
+    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return fsdp2_local_shards(self.model, self._specs)
+
     @torch.no_grad()
-    def _local(self, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's shard of one parameter as a 1-D tensor of `slot.rows` rows in `dtype` (padded if short)."""
+    def _local(self, slot: _Slot) -> torch.Tensor:
+        """This rank's shard of one parameter as a 1-D tensor of `slot.rows` rows in its wire dtype (padded if
+        short)."""
         # Detached: a tensor that required grad would make the collective's in-place writes illegal.
         local = self.model.get_parameter(slot.name).to_local().detach()
         if self.compute_device is not None:
             local = local.to(self.compute_device)
         if local.shape[0] == slot.rows:
-            return local.to(dtype).contiguous().view(-1)
-        padded = torch.empty(slot.rows * slot.row_numel, dtype=dtype, device=local.device)
+            return local.to(slot.dtype).contiguous().view(-1)
+        padded = torch.empty(slot.local_numel, dtype=slot.dtype, device=local.device)
         padded[: local.numel()].copy_(local.reshape(-1))  # the padding rows are never read back
         return padded
 
+    def _prepare(self, k: int) -> list[torch.Tensor]:
+        """This rank's shards of unit k's flat-gathered parameters, in slot order (this rank's own work)."""
+        return [self._local(slot) for slot in self._visits[k].slots]
+
+    def _placeholder(self, slot: _Slot) -> torch.Tensor:
+        device = self.compute_device or self.model.get_parameter(slot.name).to_local().device
+        return torch.empty(slot.local_numel, dtype=slot.dtype, device=device)
+
     def _start(self, k: int) -> list[tuple[_Slot, _InFlight]]:
-        _, groups, mesh = self._visits[k]
-        if mesh is None or mesh.size() == 1:  # nothing to gather: `_finish` reads the local (full) shards
+        visit = self._visits[k]
+        if visit.mesh is None or visit.mesh.size() == 1:  # nothing to gather: `_finish` reads the local shards
             return []
-        world, group = mesh.size(), mesh.get_group()
+        world, group = visit.mesh.size(), visit.mesh.get_group()
+        # This rank's own work first, then every collective of the unit: a failure of the former must not leave a
+        # unit's collectives half-launched (the rest would pair with the next unit's on the other ranks).
+        shards = self._latch.attempt(lambda: self._prepare(k), [slot.name for slot in visit.slots])
+        if shards is None:  # this rank failed: join the all-gathers with placeholders of the same sizes
+            shards = [self._placeholder(slot) for slot in visit.slots]
         started: list[tuple[_Slot, _InFlight]] = []
-        for dtype, (slots, _) in groups.items():
-            for slot in slots:
-                local = self._local(slot, dtype)
-                # NOTE: one output per parameter, not one per unit: a consumer still holding a unit's last tensor
-                # while it asks for the next unit then pins one parameter, not the whole unit.
-                out = torch.empty(world * local.numel(), dtype=dtype, device=local.device)
-                work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
-                started.append((slot, _InFlight(work, out, self._settle)))
+        for slot, local in zip(visit.slots, shards, strict=True):
+            # NOTE: one output per parameter, not one per unit: a consumer still holding a unit's last tensor
+            # while it asks for the next unit then pins one parameter, not the whole unit.
+            out = torch.empty(world * local.numel(), dtype=slot.dtype, device=local.device)
+            work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
+            started.append((slot, _InFlight(work, out, self._settle)))
         return started
+
+    def _full(self, k: int, outs: list[tuple[_Slot, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        visit = self._visits[k]
+        if visit.mesh is not None and visit.mesh.size() == 1:  # the local shards are the full tensors
+            return {s.name: self.model.get_parameter(s.name).to_local().detach().to(s.dtype) for s in visit.slots}
+        return {slot.name: out[: slot.shape[0] * slot.row_numel].view(slot.shape) for slot, out in outs}
 
     def _finish(
         self, k: int, pending: list[tuple[_Slot, _InFlight]], meter: MemoryMeter
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        names, groups, mesh = self._visits[k]
-        full: dict[str, torch.Tensor] = {}
-        if mesh is not None and mesh.size() == 1:  # the local shards are the full tensors
-            for dtype, (slots, _) in groups.items():
-                for slot in slots:
-                    full[slot.name] = self.model.get_parameter(slot.name).to_local().detach().to(dtype)
-        for slot, in_flight in pending:
-            out = in_flight.wait()
-            full[slot.name] = out[: slot.shape[0] * slot.row_numel].view(slot.shape)
+        visit = self._visits[k]
+        outs = [(slot, in_flight.wait(self._timeout)) for slot, in_flight in pending]
         pending.clear()
-        for name in names:
-            if name in full:
+        full = self._latch.run(lambda: self._full(k, outs)) or {}
+        del outs
+        others = set(visit.others)
+        for name in visit.names:
+            if name in others:  # materialised one by one (a collective for DTensors: runs after a failure too)
+                tensor = _full_tensor(self.model.get_parameter(name), self.compute_device, meter)
+                if not self._latch.failed:
+                    yield name, tensor
+                del tensor
+            elif not self._latch.failed:
                 yield name, full.pop(name)
-            else:
-                yield name, _full_tensor(self.model.get_parameter(name), self.compute_device, meter)
 
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+        self._latch.reset()
+
         def start(k: int) -> list[tuple[_Slot, _InFlight]]:
             started = self._start(k)
             for _, pending in started:
@@ -297,7 +397,7 @@ class FSDP2FlatGatherer:
         def finish(k: int, pending: list[tuple[_Slot, _InFlight]]) -> Iterator[tuple[str, torch.Tensor]]:
             return self._finish(k, pending, meter)
 
-        yield from _pipelined(len(self._visits), start, finish, self._sizes, self.prefetch_bytes)
+        yield from _pipelined(len(self._visits), start, finish, self._sizes, self.prefetch_bytes, self._latch)
 
 
 def _flat_gatherable(param: torch.Tensor) -> bool:

@@ -95,6 +95,23 @@ class _FSDP1Base:
             for name, fqn, _ in params:
                 yield name, self._read(unit, fqn)
 
+    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # NOTE: each original parameter's slice of the local flat shard is in the flat parameter's
+        # `_shard_param_infos` (aligned with `_fqns`; unchanged since torch 2.0), the metadata FSDP's own sharded
+        # state dict uses.
+        for visit in self._visits:
+            for unit, params in visit:
+                flat = unit._flat_param
+                if flat is None:
+                    continue
+                local = flat.detach()
+                for (name, _, _), info in zip(params, flat._shard_param_infos, strict=True):
+                    if info.in_shard:
+                        yield name, local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+                    else:
+                        yield name, local[:0]
+        yield from self._iter_ignored()
+
     def _iter_ignored(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self._ignored:
             yield name, p.detach()

@@ -8,7 +8,7 @@ Plain tensors (ignored parameters, modules outside any unit) pass through both u
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from fsdp_sync.compat.torch_api import fsdp2_param_groups
 from ..memory import MemoryMeter
 from .base import group_units, local_named_parameters, spec_of
 
-__all__ = ["FSDP2ParamGatherer", "FSDP2UnitGatherer", "fsdp2_units"]
+__all__ = ["FSDP2ParamGatherer", "FSDP2UnitGatherer", "fsdp2_local_shards", "fsdp2_units"]
 
 
 def fsdp2_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -52,6 +52,13 @@ def _full_tensor(param: torch.Tensor, compute_device: torch.device | None, meter
     return full
 
 
+def fsdp2_local_shards(model: nn.Module, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's local shard of each named parameter (plain tensors as they are); no collective."""
+    for name in names:
+        param = model.get_parameter(name)
+        yield name, (param.to_local() if isinstance(param, DTensor) else param).detach()
+
+
 class FSDP2ParamGatherer:
     """One `full_tensor()` per sharded parameter (peak: one parameter).
 
@@ -74,6 +81,9 @@ class FSDP2ParamGatherer:
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
             yield name, _full_tensor(param, self.compute_device, meter)
+
+    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return fsdp2_local_shards(self.model, self.specs())
 
 
 class FSDP2UnitGatherer:
@@ -127,6 +137,9 @@ class FSDP2UnitGatherer:
 
     def specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
+
+    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return fsdp2_local_shards(self.model, self._specs)
 
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
         for to_unshard, names in self._visits:

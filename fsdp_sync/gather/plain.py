@@ -33,3 +33,6 @@ class PlainGatherer:
     def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
             yield name, param.detach()
+
+    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.iter_full(MemoryMeter(torch.device("cpu")))

@@ -27,7 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, out: str) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, out: str, clean_exit: bool
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -44,12 +46,14 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable[...
         result: Any = ("ok", fn(rank, world_size, *args))
         # NOTE: a rank that tears its connections down while a peer still receives its last bytes makes the peer
         # abort (gloo: "Connection closed by peer"); leave together.
-        dist.barrier()
+        if clean_exit:
+            dist.barrier()
     except BaseException as e:  # reported to the parent with the traceback
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     finally:
         Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-        dist.destroy_process_group()
+        if clean_exit:
+            dist.destroy_process_group()
     # NOTE: leave without interpreter finalisation. gloo's worker threads can still hold a finished collective's Work,
     # and with it tensors owned by Python objects; destroying those during finalisation takes the GIL from a C++
     # thread while the interpreter is torn down, which aborts the process (SIGABRT, "terminate called without an
@@ -61,18 +65,22 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable[...
     os._exit(0)
 
 
-def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str | None = None) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str | None = None, clean_exit: bool = True
+) -> list[Any]:
     """Call `fn(rank, world_size, *args)` on `world_size` spawned processes; return each rank's result.
 
     `fn` must be importable (module level) and its result picklable. Raises RuntimeError naming the failing ranks
-    with their tracebacks.
+    with their tracebacks. `clean_exit=False` for a scenario that leaves its process group unusable (a timed-out
+    collective): the ranks leave at once, without the final barrier and without destroying the group (joining
+    gloo's threads would wait for the collective that never completes).
     """
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo")
     with tempfile.TemporaryDirectory() as out:
         try:
             mp.start_processes(
                 _entry,
-                args=(world_size, free_port(), backend, fn, args, out),
+                args=(world_size, free_port(), backend, fn, args, out, clean_exit),
                 nprocs=world_size,
                 join=True,
                 start_method="spawn",

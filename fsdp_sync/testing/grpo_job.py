@@ -69,6 +69,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--kill-at-sync", type=int, default=1, help="fault injection: index of the sync to kill it in")
     p.add_argument("--kill-at-chunk", type=int, default=2, help="fault injection: gloo chunk index to kill it at")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="STAGE:WHERE:SYNC:RANKS",
+        help="fault injection, repeatable: STAGE gather (this rank's shard of a unit cannot be prepared) or push (the "
+        "engine fails on a tensor); WHERE early or late (first or last unit / tensor), or for push a tensor name to "
+        "fail on (e.g. model.layers.0.self_attn.v_proj.weight); SYNC the 0-based index of the sync; RANKS a "
+        "comma-separated list or 'all'. A failed sync is recorded, its engine-state claim checked (with --check), "
+        "and training goes on (the mixin syncs again before generating).",
+    )
+    p.add_argument("--verify", action="store_true", help="SyncConfig(verify=True)")
+    p.add_argument("--check-finite", action="store_true", help="SyncConfig(check_finite=True)")
+    p.add_argument(
+        "--tamper-engine",
+        default=None,
+        metavar="NAME:SYNC",
+        help="fault injection on rank 0: after the push of sync SYNC, add 1 to engine parameter NAME (behind the sync)",
+    )
     return p.parse_args(argv)
 
 
@@ -212,6 +231,59 @@ class EngineChecker:
         )
 
 
+    def snapshot(self) -> dict[str, Any]:
+        from fsdp_sync.testing.engine import engine_state
+
+        return engine_state(_engine(self.trainer))
+
+    def check_claim(self, before: dict[str, Any], state: Any) -> dict[str, Any]:
+        """After a failed sync: does the engine hold what the error says? Every engine weight named as holding its
+        previous value must equal the snapshot taken before the sync; every other one (except those loaded from
+        tensors named undefined) must equal the trainer's new full weight, bit for bit."""
+        from fsdp_sync.compat.engine_api import engine_handle
+        from fsdp_sync.testing.engine import engine_state, expected_checkpoint_state, expected_engine_tensor
+
+        llm = _engine(self.trainer)
+        after = engine_state(llm)
+        handle = engine_handle(llm)
+        packed = dict(getattr(type(handle.model), "packed_modules_mapping", {}) or {})
+        checkpoint = expected_checkpoint_state(self._full_model())
+        undefined = set(state.undefined)
+        problems: list[str] = []
+        counts = {"previous": 0, "new": 0, "undefined": 0, "unchecked": 0}
+        for name, value in after.items():
+            if name in state.previous:
+                counts["previous"] += 1
+                if not torch_equal(value, before[name]):
+                    problems.append(f"{name}: said to hold its previous value, but differs from it")
+                continue
+            module, _, leaf = name.rpartition(".")
+            parent, _, last = module.rpartition(".")
+            sources = {f"{parent}.{p}.{leaf}" for p in packed.get(last, [])} or {name}
+            if sources & undefined:
+                counts["undefined"] += 1
+                continue
+            expected = expected_engine_tensor(name, checkpoint, packed)
+            if expected is None:
+                counts["unchecked"] += 1
+                continue
+            if state.status == "unchanged":
+                counts["previous"] += 1
+                if not torch_equal(value, before[name]):
+                    problems.append(f"{name}: the engine was said to be unchanged, but this weight changed")
+                continue
+            counts["new"] += 1
+            if not torch_equal(value, expected.to(handle.dtype)):
+                problems.append(f"{name}: said to hold the new value, but differs from the trainer's full weight")
+        return {"problems": problems, "counts": counts}
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
 class ServerChecker:
     """After each sync, every server weight is compared with the trainer's full weight, bit for bit, through the
     server's own per-parameter sha256 digests (`/weight_checker`, read back from the server process), and the
@@ -287,6 +359,83 @@ def _arm_kill(victim: int, at_sync: int, at_chunk: int, syncs_started: list[floa
         return send(group, buffer)
 
     gloo._broadcast = broadcast
+
+
+class Faults:
+    """The `--fault` and `--tamper-engine` injections of this rank, armed per sync (see `_parse`)."""
+
+    def __init__(self, specs: list[str], tamper: str | None, rank: int) -> None:
+        self.gather: dict[int, str] = {}
+        self.push: dict[int, str] = {}
+        for spec in specs:
+            stage, where, sync, ranks = spec.split(":")
+            if ranks == "all" or str(rank) in ranks.split(","):
+                getattr(self, stage)[int(sync)] = where
+        self.tamper: tuple[str, int] | None = None
+        if tamper is not None and rank == 0:
+            name, sync = tamper.rsplit(":", 1)
+            self.tamper = (name, int(sync))
+
+    def arm(self, trainer: Any, index: int) -> None:
+        """Before sync `index`: make this rank's gather or push fail in it, or its engine be tampered with."""
+        from fsdp_sync.writers.colocate import ColocateWriter
+
+        sync = getattr(trainer, "_fvs_sync", None)
+        if sync is not None and "_prepare" in vars(sync.gatherer):
+            del sync.gatherer._prepare  # the previous sync's fault
+        if index in self.gather:
+            assert sync is not None, "a gather fault needs a sync before it (the gatherer is built at the first)"
+            units = _gathered_units(sync.gatherer)
+            unit = units[0] if self.gather[index] == "early" else units[-1]
+            prepare = sync.gatherer._prepare
+
+            def failing(k: int) -> Any:
+                if k == unit:
+                    raise RuntimeError(f"injected: this rank cannot prepare its shard of unit {k} of {units}")
+                return prepare(k)
+
+            sync.gatherer._prepare = failing
+        write = ColocateWriter.__dict__.get("_fvs_original_write") or ColocateWriter.write
+        ColocateWriter._fvs_original_write = write
+        where = self.push.get(index)
+        tamper = self.tamper if self.tamper is not None and self.tamper[1] == index else None
+
+        def faulty_write(writer: Any, weights: Any) -> None:
+            if where is not None:
+                weights = _failing_stream(weights, where, len(writer._fvs_planned))
+            write(writer, weights)
+            if tamper is not None:
+                import torch
+
+                with torch.no_grad():
+                    writer.handle.model.get_parameter(tamper[0]).add_(1)
+
+        prepare_writer = ColocateWriter.__dict__.get("_fvs_original_prepare") or ColocateWriter.prepare
+        ColocateWriter._fvs_original_prepare = prepare_writer
+
+        def recording_prepare(writer: Any, planned: Any) -> None:
+            writer._fvs_planned = [t.name for t in planned]
+            prepare_writer(writer, planned)
+
+        ColocateWriter.prepare = recording_prepare
+        ColocateWriter.write = faulty_write
+        if sync is not None and not hasattr(sync.writer, "_fvs_planned") and sync.checked_plan is not None:
+            sync.writer._fvs_planned = [t.name for t in sync.checked_plan.tensors]
+
+
+def _gathered_units(gatherer: Any) -> list[int]:
+    """The units of a flat gatherer that run an all-gather (accelerate's FSDP2 wrap has units owning nothing)."""
+    if hasattr(gatherer, "_units"):  # FSDP1
+        return [k for k, (unit, params) in enumerate(gatherer._units) if params and unit._handle is not None]
+    return [k for k, visit in enumerate(gatherer._visits) if visit.slots]
+
+
+def _failing_stream(weights: Any, where: str, total: int) -> Any:
+    """The engine fails on one tensor of the stream: the second (early), the last (late), or the named one."""
+    for i, (name, tensor) in enumerate(weights):
+        if (where == "early" and i == 1) or (where == "late" and i == total - 1) or name == where:
+            raise RuntimeError(f"injected: the engine failed on tensor {i} ({name})")
+        yield name, tensor
 
 
 def _route_load_weights_to_reload(trainer: Any, pushed: list[str]) -> None:
@@ -389,6 +538,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fsdp1_strategy=args.fsdp1_strategy,
                 fsdp2_strategy=args.fsdp2_strategy,
                 server_timeout_s=args.sync_timeout,
+                verify=args.verify,
+                check_finite=args.check_finite,
                 **({"server_buffer_bytes": args.server_buffer_bytes} if args.server_buffer_bytes else {}),
             )
             trainer = synced(sync_config=sync_config, **kwargs)
@@ -415,9 +566,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         victim = -os.getpid() if args.kill_trainer else args.kill_server_pid
         _arm_kill(victim, args.kill_at_sync, args.kill_at_chunk, syncs_started)
 
+    faults = Faults(args.fault, args.tamper_engine, result["rank"])
+    result["failed_syncs"] = []
+
     def checked_sync() -> None:
+        from fsdp_sync.errors import SyncError
+
+        index = len(syncs_started)
+        if args.fault or args.tamper_engine:
+            faults.arm(trainer, index)
+        claims = args.fault and isinstance(checker, EngineChecker)
+        before = checker.snapshot() if claims else None
         syncs_started.append(time.perf_counter())
-        inner_sync()
+        try:
+            inner_sync()
+        except SyncError as e:
+            if not (args.fault or args.tamper_engine):
+                raise
+            engine = e.engine
+            record: dict[str, Any] = {
+                "sync": index,
+                "seconds": time.perf_counter() - syncs_started[-1],
+                "type": type(e).__name__,
+                "message": str(e)[:4000],
+                "failures": [[f.rank, f.stage] for f in e.failures],
+                "engine": None if engine is None else {
+                    "status": engine.status, "previous": list(engine.previous), "undefined": list(engine.undefined)
+                },
+                "stale": not trainer.engine_is_current,
+                "report": trainer.sync_reports[-1].as_dict(),
+            }  # fmt: skip
+            if before is not None and engine is not None:
+                record["claim"] = checker.check_claim(before, engine)
+            result["failed_syncs"].append(record)
+            sync_seconds.append(record["seconds"])
+            return  # training goes on: the mixin syncs again before the next generation
         sync_seconds.append(time.perf_counter() - syncs_started[-1])
         if checker is not None:
             checker()

@@ -12,6 +12,11 @@ Protocol (both sides compute the same chunking from the metadata, so nothing but
   from rank 0. The worker views each received chunk as the announced tensors and hands them to the model's
   `load_weights` inside vLLM's layer-wise reload (started in `start_weight_update`, finalised in
   `finish_weight_update`), which is what checkpoint-format weights need on repacked (CPU) and quantized layers.
+- every chunk ends with a one-byte status (`_DATA` or `_ABORT`, padded to `_ALIGN`): when the trainer's own stream
+  fails part-way (its gather, its name mapping, another rank), the sender broadcasts the chunk the workers expect
+  next marked `_ABORT`, so they stop at once instead of waiting for the timeout; the worker then gives layers that
+  received only part of their weights their previous ones back before finalising, so every engine weight holds
+  either its previous or its new value, none undefined.
 - memory: one chunk in flight on each side, plus what the layer-wise reload keeps until its layer is complete.
 """
 
@@ -64,6 +69,13 @@ DEFAULT_TIMEOUT_S = 120.0
 # offset to be a multiple of the element size; 64 covers every dtype and keeps cache lines whole.
 _ALIGN = 64
 _STORE_PREFIX = "fsdp_vllm_sync/gloo"
+# The status trailer of every chunk: its first byte says whether the chunk carries data or aborts the update.
+_TRAILER = _ALIGN
+_DATA, _ABORT = 1, 2
+
+
+class UpdateAborted(RuntimeError):
+    """The trainer aborted this update part-way (its own stream failed); raised on the worker."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +192,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         super().__init__(config, vllm_config, device, model)
         self.group: dist.ProcessGroupGloo | None = None
         self.buffer_bytes = DEFAULT_BUFFER_BYTES
+        self._eager: dict[str, torch.Tensor] | None = None
 
     def _worker_rank(self) -> int:
         # Unique across data-parallel replicas, as vLLM's NCCL backend numbers its workers.
@@ -199,7 +212,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        from fsdp_sync.compat.engine_api import eager_reload_tensors
+
         initialize_layerwise_reload(self.model)
+        # What the reload writes in place as it arrives (biases), for a round that ends part-way.
+        self._eager = eager_reload_tensors(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -217,16 +234,23 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
             self.receive_weights(info)
         except Exception as e:
             # NOTE: the layer-wise reload has moved every layer to the meta device; without finalising, the engine
-            # cannot generate at all. Finalising puts the previous weights back into layers that received nothing;
-            # layers that received part of their weights are processed from what they have and are undefined until
-            # the next complete update.
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            # cannot generate at all. Layers that received part of their weights are given their previous ones back
+            # first (vLLM would process them from what they have, leaving the rest uninitialised).
+            from fsdp_sync.compat.engine_api import finalize_failed_reload
 
-            finalize_layerwise_reload(self.model, self.model_config)
+            previous, new = finalize_failed_reload(self.model, self.model_config, getattr(self, "_eager", None))
+            logger.warning(
+                "gloo weight transfer: update ended part-way; %d engine weight(s) hold their new values, %d their "
+                "previous ones: %s",
+                len(new),
+                len(previous),
+                ", ".join(previous),
+            )
+            what = "was aborted by the trainer" if isinstance(e, UpdateAborted) else "failed while receiving"
             raise RuntimeError(
-                f"gloo weight transfer failed while receiving ({type(e).__name__}: {e}). The engine was finalised "
-                "to stay usable; layers that had received part of their weights are undefined until the next "
-                "complete update."
+                f"gloo weight transfer {what} ({type(e).__name__}: {e}). The engine was finalised and stays usable: "
+                f"{len(new)} weight(s) hold the new values, {len(previous)} their previous ones, none is undefined; "
+                "the next complete update replaces them all."
             ) from e
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
@@ -238,8 +262,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         sizes = [_nbytes(d, s) for d, s in zip(dtypes, update_info.shapes)]
         with disable_mtp_completeness_check():
             for chunk in plan_chunks(sizes, self.buffer_bytes):
-                buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
+                buffer = torch.empty(chunk.nbytes + _TRAILER, dtype=torch.uint8)
                 _broadcast(self.group, buffer).wait()
+                if int(buffer[chunk.nbytes]) != _DATA:
+                    raise UpdateAborted(f"the trainer aborted the update before tensor {update_info.names[chunk.start]!r}")
                 weights = []
                 for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
                     flat = buffer[offset : offset + sizes[i]].view(dtypes[i])
@@ -380,18 +406,24 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.client.finish_weight_update()
 
     def _broadcast_stream(self, source: Iterable[tuple[str, torch.Tensor]], meta: list[ParamMeta], answer: Future) -> None:
-        """Pack the stream into chunks and broadcast each; one chunk on the wire while the next one fills."""
+        """Pack the stream into chunks and broadcast each; one chunk on the wire while the next one fills. A failure
+        of the stream itself aborts the update on the workers (the chunk they expect next, marked `_ABORT`)."""
         assert self.group is not None
         sizes = [_nbytes(m.dtype, m.shape) for m in meta]
         chunks = plan_chunks(sizes, self.buffer_bytes)
         stream = _checked(source, meta)
         in_flight: tuple[Any, torch.Tensor] | None = None
         for chunk in chunks:
-            buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
-            for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
-                _, tensor = next(stream)
-                buffer[offset : offset + sizes[i]].copy_(tensor.reshape(-1).view(torch.uint8))
-                del tensor
+            buffer = torch.empty(chunk.nbytes + _TRAILER, dtype=torch.uint8)
+            try:
+                for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
+                    _, tensor = next(stream)
+                    buffer[offset : offset + sizes[i]].copy_(tensor.reshape(-1).view(torch.uint8))
+                    del tensor
+            except Exception:
+                self._abort(buffer, chunk, in_flight)
+                raise
+            buffer[chunk.nbytes] = _DATA
             if answer.done():
                 answer.result()  # the server gave up on this round: say why now, not after a broadcast timeout
             if in_flight is not None:
@@ -401,6 +433,18 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             in_flight[0].wait()
         for name, _ in stream:  # the metadata was shorter than the stream
             raise ValueError(f"the weight stream yielded {name!r} after the {len(meta)} announced tensors")
+
+    def _abort(self, buffer: torch.Tensor, chunk: Chunk, in_flight: tuple[Any, torch.Tensor] | None) -> None:
+        """Tell the workers this update ends here: the chunk they expect next, marked `_ABORT` (best effort: a
+        transport that already failed is left to its own error)."""
+        assert self.group is not None
+        buffer[chunk.nbytes] = _ABORT
+        try:
+            if in_flight is not None:
+                in_flight[0].wait()
+            _broadcast(self.group, buffer).wait()
+        except Exception as e:  # noqa: BLE001 - the stream's own error is the one raised
+            logger.warning("gloo weight transfer: could not tell the server to abort the update: %s", e)
 
     def shutdown(self) -> None:
         self.group = None

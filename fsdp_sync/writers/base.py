@@ -9,6 +9,8 @@ import torch
 
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 
+from ..verify import EngineDigests
+
 __all__ = ["EngineWriter"]
 
 
@@ -38,9 +40,24 @@ class EngineWriter(Protocol):
         ...
 
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push every tensor of the stream, in as few engine calls as the transport allows."""
+        """Push every tensor of the stream, in as few engine calls as the transport allows.
+
+        Raises:
+            SyncError: (a subclass) when the push stops part-way, for any reason (including a `StreamInterrupted`
+                raised by the stream itself), with `engine` set to what the engine holds afterwards; the engine is
+                left usable.
+        """
         ...
 
     def finish(self) -> None:
         """After a complete push: drop state derived from the old weights (prefix cache)."""
+        ...
+
+    def engine_digest_plan(self) -> EngineDigests:
+        """An empty trainer-side digest set in the engine's layout (its fused modules), for `verify`."""
+        ...
+
+    def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
+        """The engine's own sha256 digests per parameter, one dict per engine replica, and whether the engine
+        shards weights over workers (then none can be compared)."""
         ...

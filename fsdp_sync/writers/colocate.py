@@ -9,6 +9,7 @@ call per tensor was measured 14.7x slower than one call for all (146 tensors, vL
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -16,16 +17,28 @@ from typing import Any
 import torch
 
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
-from fsdp_sync.compat.engine_api import EngineHandle, engine_handle, reset_prefix_cache, wake_up_weights
+from fsdp_sync.compat.engine_api import (
+    EngineHandle,
+    eager_reload_tensors,
+    engine_handle,
+    finalize_failed_reload,
+    packed_modules,
+    reset_prefix_cache,
+    split_worker_digests,
+    wake_up_weights,
+)
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
+
+from ..errors import EngineState, StreamInterrupted, SyncError
+from ..verify import EngineDigests, tensor_bytes
 
 __all__ = ["ColocateWriter", "EnginePushError"]
 
 logger = logging.getLogger(__name__)
 
 
-class EnginePushError(RuntimeError):
-    """A push failed part-way; the engine holds a mix of old and new weights until the next complete sync."""
+class EnginePushError(SyncError):
+    """A push into the in-process engine stopped part-way; `engine` says what the engine holds afterwards."""
 
 
 class ColocateWriter:
@@ -57,17 +70,57 @@ class ColocateWriter:
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.wake_up_first:
             wake_up_weights(self.handle.llm)
+        started = False
+        eager: dict[str, torch.Tensor] | None = None
+
+        def tracked() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal started, eager
+            for item in weights:
+                if not started and self.handle.layerwise:
+                    # The reload has started (its layers are on the meta device) and nothing has arrived yet.
+                    eager = eager_reload_tensors(self.handle.model)
+                started = True
+                yield item
+
         try:
-            self.handle.push(weights)
+            self.handle.push(tracked())
         except Exception as e:
-            # NOTE: vLLM's layer-wise reload moves every layer to the meta device before loading; an exception in the
-            # middle leaves the engine unusable. Finalising puts the old weights back where nothing was loaded.
-            if self.handle.restore_after_failed_push is not None:
-                self.handle.restore_after_failed_push()
+            state = self._state_after_failure(started, eager)
+            # The engine's weights changed where layers completed: KV blocks cached from the old ones are stale.
+            reset_prefix_cache(self.handle.llm)
+            what = (
+                "stopped because the weight stream failed upstream"
+                if isinstance(e, StreamInterrupted)
+                else f"failed in the engine ({type(e).__name__}: {e})"
+            )
             raise EnginePushError(
-                f"Weight push into the vLLM engine failed part-way ({type(e).__name__}: {e}). The engine was restored "
-                "to a usable state but holds a mix of old and new weights; the next complete sync fixes it."
+                f"The push into the vLLM engine {what}. The engine {state.describe()}; the next sync sends every "
+                "weight.",
+                engine=state,
             ) from e
+
+    def _state_after_failure(self, started: bool, eager: dict[str, torch.Tensor] | None) -> EngineState:
+        """End the interrupted reload (the engine must stay usable) and say what it holds."""
+        if not self.handle.layerwise:  # an engine that loads each tensor as it comes (`load_weights`)
+            if not started:
+                return EngineState("unchanged")
+            return EngineState("mixed", note="loaded tensor by tensor: the tensors reached hold new values")
+        previous, new = finalize_failed_reload(self.handle.model, self.handle.model_config, eager)
+        if not new:
+            return EngineState("unchanged")
+        return EngineState(
+            "mixed", previous, note="layers that had received part of their weights were given their previous ones back"
+        )
 
     def finish(self) -> None:
         reset_prefix_cache(self.handle.llm)
+
+    def engine_digest_plan(self) -> EngineDigests:
+        return EngineDigests(packed_modules(self.handle.model))
+
+    def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
+        compute = getattr(self.handle.worker, "compute_weight_checksums", None)
+        if compute is not None:  # vLLM's own (the `/weight_checker` route's source; vLLM 0.32)
+            return split_worker_digests(compute())
+        digests = {name: hashlib.sha256(tensor_bytes(p)).hexdigest() for name, p in self.handle.model.named_parameters()}
+        return [digests], self.handle.tensor_parallel

@@ -17,10 +17,13 @@ the gathers complete on every rank) before the ranks agree on the outcome (`Weig
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
 import socket
+from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
@@ -28,22 +31,24 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
-from fsdp_sync.compat.engine_api import trainer_transfer_engine
+from fsdp_sync.compat.engine_api import packed_modules_for_architectures, split_worker_digests, trainer_transfer_engine
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.server_api import ServerInfo
 from fsdp_sync.compat.trl_api import ServerAddress
+from ..errors import EngineState, SyncError
 from ..server_client import ServerClient, ServerConfigError, ServerRequestError, ServerUnavailableError
+from ..verify import EngineDigests
 
 __all__ = ["SUPPORTED_BACKENDS", "ServerPushError", "ServerTransportError", "ServerWriter", "check_server"]
 
 logger = logging.getLogger(__name__)
 
 
-class ServerPushError(RuntimeError):
+class ServerPushError(SyncError):
     """The server refused or failed a weight update (its HTTP answer is in the message)."""
 
 
-class ServerTransportError(RuntimeError):
+class ServerTransportError(SyncError):
     """The transfer group itself failed (connection lost, timeout): a network error, not an engine error."""
 
 
@@ -57,11 +62,17 @@ class _Transport:
         init_fields: backend-specific fields of the trainer init info, from (master address, port, world size,
             buffer bytes, timeout).
         requires_cuda: the backend runs only on a CUDA trainer.
+        partial_round: what the server's engine holds after a round that ended part-way.
+        aborts_round: the backend can end a round part-way on the server's side (gloo's abort marker), so a failure
+            of the trainer's own stream leaves the transfer usable; without it (vLLM's NCCL backend) the round is
+            completed with placeholder tensors, which the server then holds (reported as undefined).
     """
 
     retains_tensors: bool
     init_fields: Callable[[str, int, int, int, float], dict[str, Any]]
     requires_cuda: bool
+    partial_round: EngineState
+    aborts_round: bool
 
 
 _TRANSPORTS: dict[str, _Transport] = {
@@ -75,6 +86,10 @@ _TRANSPORTS: dict[str, _Transport] = {
             "packed_buffer_size_bytes": buffer,
         },
         requires_cuda=True,
+        partial_round=EngineState(
+            "undefined", note="vLLM's NCCL backend processes layers that received part of their weights from what they have"
+        ),
+        aborts_round=False,
     ),
     "gloo": _Transport(
         retains_tensors=False,
@@ -86,6 +101,12 @@ _TRANSPORTS: dict[str, _Transport] = {
             "timeout_s": timeout,
         },
         requires_cuda=False,
+        partial_round=EngineState(
+            "mixed",
+            note="the server's gloo backend gives layers that received part of their weights their previous ones back "
+            "and logs which weights hold which",
+        ),
+        aborts_round=True,
     ),
 }
 SUPPORTED_BACKENDS: tuple[str, ...] = tuple(_TRANSPORTS)
@@ -175,6 +196,33 @@ def _upstream_marked(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tup
         yield item
 
 
+@dataclass
+class _Cut:
+    """How a stream completed with placeholders was cut: its error and the announced tensors that were replaced."""
+
+    error: Exception | None = None
+    placeholders: list[str] = field(default_factory=list)
+
+
+def _completed_with_placeholders(
+    stream: Iterator[tuple[str, torch.Tensor]], meta: list[ParamMeta], cut: _Cut
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream; if it fails part-way, the rest of the announced tensors as placeholders (zeros, on the device of
+    the last real tensor), so that a backend that cannot abort a round still completes it."""
+    sent = 0
+    device = torch.device("cpu")
+    try:
+        for name, tensor in stream:
+            sent += 1
+            device = tensor.device
+            yield name, tensor
+    except _UpstreamError as e:
+        cut.error = e.error
+        for m in meta[sent:]:
+            cut.placeholders.append(m.name)
+            yield m.name, torch.zeros(m.shape, dtype=m.dtype, device=device)
+
+
 def local_address_towards(base_url: str) -> str:
     """This host's address on the interface that routes to the server (what the server's workers connect to)."""
     host = urlparse(base_url).hostname or "127.0.0.1"
@@ -241,13 +289,9 @@ class ServerWriter:
     def _connect(self) -> Any:
         """The handshake with the server (first sync, and the sync after a failed one)."""
         assert self.client is not None and self._source is not None and self.backend is not None
-        if self._round_open:
-            # A failed round may have left the server's update session open; close it (no-op error if it is not).
-            try:
-                self.client.finish_weight_update()
-            except ServerRequestError:
-                pass
-            self._round_open = False
+        # NOTE: the previous transfer's group may still be alive in reference cycles (a failed round's traceback
+        # holds its frames); its TCP store listens on the same port, which the new one must bind.
+        gc.collect()
         from ..transfer.plugin import register
 
         register()
@@ -268,47 +312,76 @@ class ServerWriter:
         return engine
 
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Send one sync's stream. A failure of the stream itself (the gather, the name mapping, ...) is raised as
-        it is; a failure of the server or of the transfer is raised as `ServerPushError` / `ServerTransportError`,
-        and the transfer is set up again at the next sync."""
+        """Send one sync's stream. A failure of the stream itself (the gather, the name mapping, ...) ends the round
+        on the server at once (the gloo backend's abort marker); a failure of the server or of the transfer is raised
+        as `ServerPushError` / `ServerTransportError`. Either way the transfer is set up again at the next sync, and
+        the error says what the server holds."""
         assert self._source is not None, "prepare() must be called first"
+        assert self.client is not None
+        if self._round_open:
+            # A failed round may have left the server's update session open; close it (an error if it is not).
+            try:
+                self.client.finish_weight_update()
+            except ServerRequestError:
+                pass
+            self._round_open = False
         stage = "connect"
+        cut = _Cut()
         try:
             if self._engine is None:
                 self._engine = self._connect()
             stage = "send"
-            self._source.feed(_upstream_marked(weights))
+            stream = _upstream_marked(weights)
+            if not self.transport.aborts_round:
+                stream = _completed_with_placeholders(stream, self._source.metadata(), cut)
+            self._source.feed(stream)
             self._round_open = True
             self._engine.send_weights()
             self._round_open = False
         except _UpstreamError as e:
-            self._engine = None
-            raise e.error  # noqa: B904 - the stream's own exception, with its own traceback and cause
+            if not self.transport.aborts_round:
+                self._engine = None
+            raise ServerPushError(
+                f"The weight stream failed upstream of the server ({e.error}); the update was aborted.",
+                engine=self._state(stage),
+            ) from e.error
         except (ServerRequestError, ServerConfigError) as e:
             self._engine = None
             raise ServerPushError(
-                f"The vLLM server failed the weight update ({stage}): {e}. {self._state_note(stage)}"
+                f"The vLLM server failed the weight update ({stage}): {e}.", engine=self._state(stage)
             ) from e
         except ServerUnavailableError as e:
             self._engine = None
             raise ServerTransportError(
-                f"The vLLM server became unreachable ({stage}): {e}. {self._state_note(stage)}"
+                f"The vLLM server became unreachable ({stage}): {e}.", engine=self._state(stage)
             ) from e
         except Exception as e:
             self._engine = None
             raise ServerTransportError(
                 f"The {self.backend} weight transfer to {self.info.model!r} failed ({stage}; "
-                f"{type(e).__name__}: {e}). {self._state_note(stage)}"
+                f"{type(e).__name__}: {e}).",
+                engine=self._state(stage),
             ) from e
+        if cut.error is not None:  # the round was completed with placeholders after the stream failed
+            raise ServerPushError(
+                f"The weight stream failed upstream of the server ({cut.error}); the round was completed with "
+                f"placeholder tensors ({self.backend} cannot abort a round).",
+                engine=EngineState("undefined", undefined=tuple(cut.placeholders), note="placeholders ended the round"),
+            ) from cut.error
 
-    @staticmethod
-    def _state_note(stage: str) -> str:
+    def _state(self, stage: str) -> EngineState:
         if stage == "connect":
-            return "No weight was sent; the server keeps its previous weights. The next sync tries to connect again."
-        return (
-            "The server may hold a mix of old and new weights (layers that received only part of theirs are "
-            "undefined) until the next complete sync, which reconnects and sends every weight."
-        )
+            return EngineState("unchanged", note="no weight was sent; the next sync connects again")
+        return self.transport.partial_round
+
+    def engine_digest_plan(self) -> EngineDigests:
+        config = Path(self.checkpoint_dir) / "config.json"
+        architectures = json.loads(config.read_text()).get("architectures", []) if config.is_file() else []
+        return EngineDigests(packed_modules_for_architectures(architectures or []))
+
+    def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
+        assert self.client is not None
+        return split_worker_digests(self.client.weight_checksums())
 
     def finish(self) -> None:
         assert self.client is not None

@@ -51,3 +51,33 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int = 0
     optimizer.step()
     optimizer.zero_grad()
     return float(loss.detach())
+
+
+def wrap(model: nn.Module, backend: str, world_size: int, use_orig_params: bool = True) -> nn.Module:
+    """`tiny_lm` wrapped as the tests run it: FSDP1 per decoder layer, FSDP2 per layer and root, DDP, or as is."""
+    match backend:
+        case "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            return FSDP(
+                model,
+                auto_wrap_policy=ModuleWrapPolicy({decoder_layer_cls(model)}),
+                device_id=device() if device().type == "cuda" else torch.device("cpu"),
+                use_orig_params=use_orig_params,
+            )
+        case "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device().type, (world_size,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model
+        case "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            return DDP(model)
+        case _:
+            return model

@@ -17,38 +17,9 @@ from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 from fsdp_sync.full_weights import full_weights_sync
 from fsdp_sync.testing.dist import run_distributed
 
-from .models import decoder_layer_cls, device, full_reference, tiny_lm, train_step
+from .models import full_reference, tiny_lm, train_step, wrap
 
 TIED = "lm_head.weight"
-
-
-def _wrap(model: torch.nn.Module, backend: str, world_size: int, use_orig_params: bool) -> torch.nn.Module:
-    match backend:
-        case "fsdp1":
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-            return FSDP(
-                model,
-                auto_wrap_policy=ModuleWrapPolicy({decoder_layer_cls(model)}),
-                device_id=device() if device().type == "cuda" else torch.device("cpu"),
-                use_orig_params=use_orig_params,
-            )
-        case "fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(device().type, (world_size,))
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            return model
-        case "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            return DDP(model)
-        case _:
-            return model
 
 
 def _largest_unit_bytes(model: torch.nn.Module) -> int:
@@ -78,7 +49,7 @@ def scenario(rank: int, world_size: int, backend: str, use_orig_params: bool) ->
     largest_unit = _largest_unit_bytes(model)
     largest_tensor = max(p.numel() * p.element_size() for p in model.parameters())
     reference = full_reference(model)
-    wrapped = _wrap(model, backend, world_size, use_orig_params)
+    wrapped = wrap(model, backend, world_size, use_orig_params)
     out: dict = {"backend": type(wrapped).__name__}
 
     names, problems = _compare(iter_full_weights(wrapped), reference)

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from fsdp_sync.compat.layout import IdentityLayout
 from fsdp_sync.compat.manifest import EngineManifest, ManifestError, PlannedTensor, TensorSpec
 from fsdp_sync.compat.names import NameRules, canonical_name
-from fsdp_sync.distributed import all_ranks_ok
+from fsdp_sync.distributed import Coordinator
+from fsdp_sync.errors import RankFailure, SyncError
 from fsdp_sync.memory import MemoryMeter
 from fsdp_sync.pipeline import IncompleteSyncError, SyncPlan, WeightSync, build_plan
 from fsdp_sync.report import SyncReport
@@ -54,8 +55,12 @@ class FakeGatherer:
         outlive: bool = True,
         extra: dict[str, torch.Tensor] | None = None,
         omit: Iterable[str] = (),
+        fail_after: int | None = None,
+        failure: Exception | None = None,
     ) -> None:
         self.tensors = tensors
+        self.fail_after = fail_after
+        self.failure = failure
         self.tensors_outlive_step = outlive
         self.extra = extra or {}
         self.omit = set(omit)
@@ -71,9 +76,15 @@ class FakeGatherer:
         for name, tensor in itertools.chain(self.tensors.items(), self.extra.items()):
             if name in self.omit:
                 continue
+            if self.fail_after is not None and len(self.yielded) == self.fail_after:
+                assert self.failure is not None
+                raise self.failure
             self.yielded.append((name, tensor))
             yield name, tensor
         self.exhausted += 1
+
+    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.tensors.items()
 
 
 class FakeWriter:
@@ -111,9 +122,14 @@ class FakeWriter:
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.calls["write"] += 1
         self.received = []
+        self.interrupted: BaseException | None = None
         stream = weights if self.stop_after is None else itertools.islice(weights, self.stop_after)
-        for name, tensor in stream:
-            self.received.append((name, tensor))
+        try:
+            for name, tensor in stream:
+                self.received.append((name, tensor))
+        except Exception as e:  # what the stream raised into the writer
+            self.interrupted = e
+            raise
 
     def finish(self) -> None:
         self.calls["finish"] += 1
@@ -352,12 +368,15 @@ class RaisingWriter(FakeWriter):
 
 def test_writer_raising_part_way_drains_the_gather_then_raises_its_own_error() -> None:
     """Regression (a failing push used to leave the rest of the gather undone, so the other ranks waited in their
-    collectives): the stream is drained to its end, then the writer's own error is raised; finish() is skipped."""
+    collectives): the stream is drained to its end, then a SyncError naming the rank, the stage and the writer's own
+    error (its cause) is raised; finish() is skipped."""
     tensors = _tensors()
     gatherer = FakeGatherer(tensors)
     writer = RaisingWriter(_manifest_for(tensors))
-    with pytest.raises(ConnectionError, match="connection reset"):
+    with pytest.raises(SyncError, match=r"rank 0 \(push\): ConnectionError: connection reset") as err:
         WeightSync(gatherer, writer).sync()
+    assert isinstance(err.value.__cause__, ConnectionError)
+    assert err.value.failures == (RankFailure(0, "push", "ConnectionError: connection reset by peer"),)
     assert gatherer.exhausted == 1 and len(gatherer.yielded) == len(tensors)
     assert writer.calls["finish"] == 0
 
@@ -422,7 +441,7 @@ def test_report_counts_tensors_and_engine_dtype_bytes() -> None:
 
 
 def test_report_metrics_keys_and_values() -> None:
-    """metrics() gives the five scalar figures under the prefix, in GB where a size."""
+    """metrics() gives the five scalar figures under the prefix, in GB where a size, and the failure flag."""
     report = SyncReport(
         seconds=0.5,
         bytes=2_000_000_000,
@@ -439,6 +458,7 @@ def test_report_metrics_keys_and_values() -> None:
         "weight_sync/gbps": 4.0,
         "weight_sync/tensors": 7.0,
         "weight_sync/peak_extra_gbytes": 3.0,
+        "weight_sync/failed": 0.0,
     }
     assert set(report.metrics(prefix="sync.")) == {
         "sync.seconds",
@@ -446,6 +466,7 @@ def test_report_metrics_keys_and_values() -> None:
         "sync.gbps",
         "sync.tensors",
         "sync.peak_extra_gbytes",
+        "sync.failed",
     }
 
 
@@ -455,8 +476,183 @@ def test_report_gbps_is_zero_for_zero_seconds() -> None:
     assert report.gbps == 0.0
 
 
-def test_all_ranks_ok_without_process_group() -> None:
-    """Without torch.distributed initialised, all_ranks_ok answers this process's own flag."""
+def test_coordinator_without_process_group() -> None:
+    """Without torch.distributed initialised, the agreement is this process's own outcome, with no group."""
     assert not dist.is_initialized()
-    assert all_ranks_ok(True) is True
-    assert all_ranks_ok(False) is False
+    coordinator = Coordinator(timeout_s=5)
+    assert coordinator.group is None
+    assert coordinator.agree(None) == []
+    failure = RankFailure(0, "push", "RuntimeError: boom")
+    assert coordinator.agree(failure) == [failure]
+
+
+# --- failure behaviour ------------------------------------------------------------------------------------------------
+
+
+class _RaisingMerge(_AddOne):
+    def apply(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        raise ValueError("adapter shapes disagree")
+
+
+def test_merge_failure_is_named_with_its_stage_and_the_gather_still_runs_to_the_end() -> None:
+    """A failure in a stage of this rank's own (here the PEFT merge) stops the push, raises `StreamInterrupted` into
+    the writer (not an engine failure), runs the rest of the gather, and ends in one SyncError naming the stage."""
+    from fsdp_sync.errors import StreamInterrupted, SyncStageError
+
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    writer = FakeWriter(_manifest_for(tensors))
+    with pytest.raises(SyncStageError, match=r"rank 0 \(merge\): ValueError: adapter shapes disagree") as err:
+        WeightSync(gatherer, writer, merge=_RaisingMerge()).sync()  # type: ignore[arg-type]
+    assert isinstance(writer.interrupted, StreamInterrupted)
+    assert isinstance(err.value.__cause__, ValueError)
+    assert [f.stage for f in err.value.failures] == ["merge"]
+    assert gatherer.exhausted == 1 and writer.calls["finish"] == 0
+
+
+def test_cast_failure_is_named_cast() -> None:
+    """An engine dtype the tensors cannot be cast to fails in the cast stage, named as such."""
+
+    class BadDtype(FakeWriter):
+        @property
+        def engine_dtype(self) -> torch.dtype:  # type: ignore[override]
+            return "not-a-dtype"  # type: ignore[return-value]
+
+        @engine_dtype.setter
+        def engine_dtype(self, value: object) -> None:
+            pass
+
+    tensors = _tensors()
+    with pytest.raises(SyncError) as err:
+        WeightSync(FakeGatherer(tensors), BadDtype(_manifest_for(tensors)), check_manifest=False).sync()
+    assert [f.stage for f in err.value.failures] == ["cast"]
+
+
+def test_gather_failure_after_its_collectives_is_a_stage_error_naming_gather() -> None:
+    """A flat gatherer that failed in its own work raises `GatherFailed(completed=True)` after running its
+    collectives: the sync fails in the gather stage, and the writer saw an interruption, not an engine error."""
+    from fsdp_sync.errors import StreamInterrupted, SyncStageError
+    from fsdp_sync.gather.base import GatherFailed
+
+    tensors = _tensors()
+    failed = GatherFailed("RuntimeError: cast of the local shard failed", completed=True)
+    gatherer = FakeGatherer(tensors, fail_after=1, failure=failed)
+    writer = FakeWriter(_manifest_for(tensors))
+    with pytest.raises(SyncStageError, match=r"rank 0 \(gather\): GatherFailed: RuntimeError: cast") as err:
+        WeightSync(gatherer, writer).sync()
+    assert err.value.__cause__ is failed
+    assert isinstance(writer.interrupted, StreamInterrupted)
+    assert [name for name, _ in writer.received] == [EMBED]
+
+
+def test_gatherer_dying_inside_fsdp_says_the_others_may_wait() -> None:
+    """A gatherer that raised anything else left a collective part-way: the error says what the other ranks face."""
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors, fail_after=2, failure=RuntimeError("CUDA out of memory"))
+    with pytest.raises(SyncError, match="left the gather part-way") as err:
+        WeightSync(gatherer, FakeWriter(_manifest_for(tensors))).sync()
+    assert "CUDA out of memory" in str(err.value)
+
+
+def test_engine_state_of_a_failed_push_reaches_the_error() -> None:
+    """The writer's account of the engine after a failed push is in the final error and its message."""
+    from fsdp_sync.errors import EngineState
+    from fsdp_sync.writers import EnginePushError
+
+    class Mixed(FakeWriter):
+        def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            next(iter(weights))
+            state = EngineState("mixed", ("model.layers.0.self_attn.qkv_proj.weight",))
+            raise EnginePushError("engine failed", engine=state)
+
+    tensors = _tensors()
+    with pytest.raises(EnginePushError) as err:
+        WeightSync(FakeGatherer(tensors), Mixed(_manifest_for(tensors))).sync()
+    assert err.value.engine is not None and err.value.engine.status == "mixed"
+    assert "qkv_proj.weight" in str(err.value) and "none undefined" in str(err.value)
+
+
+def test_check_finite_names_every_non_finite_weight_and_sends_nothing() -> None:
+    """`check_finite`: NaN/Inf in this rank's shards fail the sync before any gather or write, naming each weight by
+    its checkpoint name; the engine is reported unchanged."""
+    from fsdp_sync.errors import NonFiniteWeightsError
+
+    tensors = _tensors()
+    tensors[WRAPPED_NORM][3] = float("nan")
+    tensors[WRAPPED_Q_PROJ][0, 0] = float("inf")
+    gatherer = FakeGatherer(tensors)
+    writer = FakeWriter(_manifest_for(tensors))
+    with pytest.raises(NonFiniteWeightsError) as err:
+        WeightSync(gatherer, writer, check_finite=True).sync()
+    message = str(err.value)
+    assert NORM in message and Q_PROJ in message and EMBED not in message
+    assert "Nothing was sent" in message
+    assert gatherer.iter_calls == 0 and writer.calls["write"] == 0
+    assert err.value.engine is not None and err.value.engine.status == "unchanged"
+
+
+def test_check_finite_passes_finite_weights() -> None:
+    tensors = _tensors()
+    writer = FakeWriter(_manifest_for(tensors))
+    report = WeightSync(FakeGatherer(tensors), writer, check_finite=True).sync()
+    assert report.ok and report.tensors == 3
+
+
+class DigestWriter(FakeWriter):
+    """A writer whose engine stores what it receives (nothing fused) and reports sha256 digests of its parameters;
+    `tamper` changes one engine parameter after the push, `hide` shows one as size 0 (as vLLM-CPU does)."""
+
+    def __init__(self, *args: object, tamper: str | None = None, hide: str | None = None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.tamper, self.hide = tamper, hide
+
+    def engine_digest_plan(self):  # type: ignore[no-untyped-def]
+        from fsdp_sync.verify import EngineDigests
+
+        return EngineDigests({})
+
+    def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
+        import hashlib
+
+        from fsdp_sync.verify import tensor_bytes
+
+        engine = {name: t.clone() for name, t in self.received}
+        if self.tamper is not None:
+            engine[self.tamper].view(-1)[0] += 1
+        if self.hide is not None:
+            engine[self.hide] = engine[self.hide][:0]
+        return [{name: hashlib.sha256(tensor_bytes(t)).hexdigest() for name, t in engine.items()}], False
+
+
+def test_verify_passes_an_exact_engine_and_reports_hidden_weights() -> None:
+    tensors = _tensors()
+    writer = DigestWriter(_manifest_for(tensors, torch.bfloat16), engine_dtype=torch.bfloat16, hide=NORM)
+    report = WeightSync(FakeGatherer(tensors), writer, verify=True).sync()
+    assert report.verified == 2 and report.unverifiable == 1
+    assert report.verify_seconds > 0
+
+
+def test_verify_catches_an_engine_weight_changed_behind_the_sync() -> None:
+    from fsdp_sync.errors import VerifyError
+
+    tensors = _tensors()
+    writer = DigestWriter(_manifest_for(tensors), tamper=Q_PROJ)
+    with pytest.raises(VerifyError, match=r"1 of 3 engine weight\(s\) differ from what was sent: " + Q_PROJ):
+        WeightSync(FakeGatherer(tensors), writer, verify=True).sync()
+
+
+def test_engine_digests_hash_fused_parts_in_engine_order_whatever_the_arrival_order() -> None:
+    """The digest of a fused engine parameter equals sha256 of the concatenated parts, even when the parts arrive
+    out of the engine's order (k before q)."""
+    import hashlib
+
+    from fsdp_sync.verify import EngineDigests, tensor_bytes
+
+    q, k, v = (torch.randn(4, 8) for _ in range(3))
+    digests = EngineDigests({"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    prefix = "model.layers.0.self_attn"
+    for name, t in (("k_proj", k), ("q_proj", q), ("v_proj", v)):
+        digests.add(f"{prefix}.{name}.weight", t)
+    fused = hashlib.sha256(tensor_bytes(torch.cat([q, k, v]))).hexdigest()
+    result = digests.compare([{f"{prefix}.qkv_proj.weight": fused}])
+    assert result.checked == 1 and result.mismatched == [] and result.unverifiable == {}

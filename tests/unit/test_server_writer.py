@@ -175,7 +175,9 @@ def test_transport_failure_is_reported_as_such_and_the_next_sync_reconnects(reco
     RecordingEngine.fail_next = RuntimeError("Connection reset by peer")
     with pytest.raises(ServerTransportError, match="Connection reset by peer") as err:
         sync.sync()
-    assert "mix of old and new weights" in str(err.value)
+    assert err.value.engine is not None and err.value.engine.status == "mixed"
+    assert "mix of previous and new weights, none undefined" in str(err.value)
+    assert "rank 0 (push): ServerTransportError" in str(err.value)
     assert client.resets == 1, "no prefix-cache reset after a failed push"
     sync.sync()
     assert len(RecordingEngine.instances) == 2, "a failed transfer is set up again"
@@ -336,3 +338,50 @@ def test_trl_communicator_is_deferred_only_while_the_trainer_is_built() -> None:
         assert VLLMClient.init_communicator is not original
         assert VLLMClient.init_communicator(object(), device="cpu") is None
     assert VLLMClient.init_communicator is original
+
+
+def _unplanned_between(sync: WeightSync) -> None:
+    """The model grew after the plan: an unplanned parameter streams between the two planned ones."""
+    values = sync.gatherer.values  # type: ignore[attr-defined]
+    first, second = list(values.items())
+    values.clear()
+    values.update([first, ("_fsdp_wrapped_module.c.new", torch.zeros(1)), second])
+
+
+def test_a_stream_failure_aborts_the_gloo_round_and_keeps_the_transfer(recording) -> None:
+    """gloo ends a round part-way on the server (its abort marker): the transfer stays set up, the open update
+    session is closed before the next round, and nothing is re-hosted on the group port."""
+    from fsdp_sync.pipeline import IncompleteSyncError
+
+    sync, client = recording
+    sync.sync()
+    saved = dict(sync.gatherer.values)
+    _unplanned_between(sync)
+    with pytest.raises(IncompleteSyncError) as err:
+        sync.sync()
+    assert err.value.engine is not None and err.value.engine.status == "mixed"
+    sync.gatherer.values.clear()
+    sync.gatherer.values.update(saved)
+    sync.sync()
+    assert len(RecordingEngine.instances) == 1, "the transfer must be kept, not set up again"
+    assert client.finishes == 1, "the session the aborted round left open is closed first"
+
+
+def test_a_backend_that_cannot_abort_gets_placeholders_and_says_so(recording) -> None:
+    """vLLM's NCCL backend cannot end a round early: after the stream fails, the announced tensors still to come are
+    sent as zeros so the server finishes the round, and the error names them as undefined on the server."""
+    from dataclasses import replace
+
+    from fsdp_sync.pipeline import IncompleteSyncError
+
+    sync, _ = recording
+    sync.writer.transport = replace(sync.writer.transport, aborts_round=False)
+    sync.sync()
+    _unplanned_between(sync)
+    with pytest.raises(IncompleteSyncError) as err:
+        sync.sync()
+    engine = err.value.engine
+    assert engine is not None and engine.status == "undefined" and engine.undefined == ("a.index",), engine
+    _, sent = RecordingEngine.instances[0].rounds[-1]
+    assert [name for name, _ in sent] == ["b.weight", "a.index"]
+    assert not sent[1][1].any(), "the placeholder is zeros"

@@ -1,0 +1,136 @@
+"""The errors a failed sync raises, on every rank, and what they carry.
+
+Why one family: a sync runs collectives on every rank, so a failure anywhere must end it everywhere, at the same
+point, with the same story. Whatever failed and wherever, every rank raises a `SyncError` whose message names each
+failing rank, the stage it failed in and its original error, and says what state this rank's engine is in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "STAGES",
+    "EngineState",
+    "NonFiniteWeightsError",
+    "RankFailure",
+    "RemoteSyncError",
+    "StreamInterrupted",
+    "SyncError",
+    "SyncStageError",
+    "SyncTimeoutError",
+    "VerifyError",
+]
+
+# Where a sync can fail, in the order it runs them. "plan": names and manifest (before anything is gathered);
+# "check": the non-finite check of the local shards; "gather": this rank's part of the all-gathers; "map", "merge",
+# "convert", "cast": turning a gathered tensor into the engine's; "push": the engine or the transport; "verify": the
+# optional read-back of the engine's digests.
+STAGES = ("plan", "check", "gather", "map", "merge", "convert", "cast", "push", "verify")
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What failed on one rank: the stage and the error, as text (it travels between ranks).
+
+    Attributes:
+        undefined: checkpoint tensors whose all-gather this rank joined with placeholder data (its own shard could
+            not be prepared): every other rank received undefined values for them.
+    """
+
+    rank: int
+    stage: str
+    error: str
+    undefined: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return f"rank {self.rank} ({self.stage}): {self.error}"
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What one engine holds after a sync, as far as this rank knows it.
+
+    Attributes:
+        status: `"current"`: every weight of this sync is in. `"unchanged"`: nothing of this sync reached the engine;
+            it holds exactly the previous weights. `"mixed"`: every engine weight holds either its previous or its
+            new value, none is undefined; `previous` lists those still holding the previous one where the engine
+            lets the writer see it. `"undefined"`: some weights may hold neither: those loaded from the checkpoint
+            tensors in `undefined` where known, else any the push reached (the transport cannot tell).
+        previous: engine parameter names that still hold the previous sync's values.
+        undefined: checkpoint tensor names whose engine weights hold undefined values.
+        note: one sentence on how the writer knows.
+    """
+
+    status: str
+    previous: tuple[str, ...] = ()
+    undefined: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def current(self) -> bool:
+        return self.status == "current"
+
+    def with_undefined(self, names: tuple[str, ...], note: str) -> EngineState:
+        """This state, with the engine weights of `names` known to hold undefined values."""
+        return EngineState("undefined", self.previous, tuple(sorted(set(self.undefined) | set(names))), note)
+
+    def describe(self, limit: int = 8) -> str:
+        def listed(names: tuple[str, ...]) -> str:
+            return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
+
+        match self.status:
+            case "current":
+                text = "holds every weight of this sync"
+            case "unchanged":
+                text = "holds exactly the previous sync's weights (nothing of this sync reached it)"
+            case "mixed":
+                text = "holds a mix of previous and new weights, none undefined"
+            case _:
+                text = "may hold values that are neither the previous nor the new ones"
+        if self.undefined:
+            text += f"; the weights loaded from {len(self.undefined)} tensor(s) hold undefined values: {listed(self.undefined)}"
+        if self.previous:
+            text += f"; {len(self.previous)} engine weight(s) still hold the previous values: {listed(self.previous)}"
+        return text + (f" ({self.note})" if self.note else "")
+
+
+class SyncError(RuntimeError):
+    """A weight sync failed. Raised on every rank at the same point, after every rank left the sync's collectives.
+
+    Attributes:
+        failures: every failing rank with its stage and error (filled in once the ranks have agreed).
+        engine: this rank's engine state after the failure (None where this rank has no engine).
+    """
+
+    def __init__(self, message: str, *, failures: tuple[RankFailure, ...] = (), engine: EngineState | None = None):
+        super().__init__(message)
+        self.failures = tuple(failures)
+        self.engine = engine
+
+
+class RemoteSyncError(SyncError):
+    """The sync failed on another rank; this rank did its part and stops with the others."""
+
+
+class SyncStageError(SyncError):
+    """This rank's sync failed in one of its own stages (gather, name mapping, PEFT merge, conversion, cast); the
+    original error is the cause."""
+
+
+class SyncTimeoutError(SyncError):
+    """A rank did not reach an agreed point of the sync within `SyncConfig.sync_timeout_s` (hung or dead). The ranks
+    can no longer run collectives together; the job must be restarted."""
+
+
+class NonFiniteWeightsError(SyncError):
+    """`SyncConfig(check_finite=True)`: trainer weights hold NaN or Inf; nothing was sent."""
+
+
+class VerifyError(SyncError):
+    """`SyncConfig(verify=True)`: engine weights differ from what was sent."""
+
+
+class StreamInterrupted(Exception):
+    """Raised into a writer when the sync's own stream stops early (a failure upstream of the engine, recorded by
+    the pipeline); a writer treats it as the end of a failed push, not as an engine failure."""
