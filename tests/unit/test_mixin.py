@@ -33,6 +33,9 @@ class Generation:
     def sync_weights(self) -> None:
         self.builtin_calls += 1
 
+    def generate(self, prompts: list[str]) -> list[str]:
+        return [p + "!" for p in prompts]
+
 
 class GenerationTrainer:
     """A GRPO-like trainer: vLLM on, sync through `vllm_generation.sync_weights`."""
@@ -77,3 +80,16 @@ def test_trainer_without_vllm_is_untouched() -> None:
     """With `use_vllm=False` nothing is replaced (the trainer generates with transformers)."""
     trainer = type("T", (FSDPVLLMSyncMixin, GenerationTrainer), {})(nn.Linear(2, 2), use_vllm=False)
     assert trainer.vllm_generation.sync_weights != trainer.sync_weights_to_vllm
+
+
+def test_generation_syncs_first_while_the_engine_is_stale() -> None:
+    """After a failed sync TRL would generate from the stale engine (it syncs only when the step moved): the
+    mixin's guard runs the trainer's sync entry first, until a sync succeeds."""
+    trainer = type("T", (FSDPVLLMSyncMixin, GenerationTrainer), {})(nn.Linear(2, 2))
+    generation = trainer.vllm_generation
+    calls: list[str] = []
+    generation.sync_weights = lambda: calls.append("sync")  # what the trainer's sync entry now is
+    assert generation.generate(["a"]) == ["a!"] and calls == []
+    trainer._fvs_stale = True
+    assert generation.generate(["b"]) == ["b!"] and calls == ["sync"]
+    assert not trainer.engine_is_current
