@@ -9,6 +9,7 @@ never used for agreement, so on GPUs the agreement costs no device synchronisati
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 
@@ -44,8 +45,24 @@ def _control_group(timeout_s: float) -> dist.ProcessGroup:
     group = _GROUPS.get(key)
     if group is None:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        if not _GROUPS:
+            atexit.register(_destroy_control_groups)
         _GROUPS[key] = group
     return group
+
+
+def _destroy_control_groups() -> None:
+    """At exit, while the interpreter is still whole: destroy the groups this module made, unless the program already
+    destroyed them. NOTE: a gloo group left to interpreter finalisation can abort the process (its worker threads
+    release Python-owned tensors after the interpreter is gone: pytorch/pytorch#179291); training scripts often
+    end without `destroy_process_group`, and this module's group should not add that risk."""
+    for group in list(_GROUPS.values()):
+        try:
+            if distributed():
+                dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - at exit (destroyed already, or no world left): report, never raise
+            logger.debug("fsdp-vllm-sync: could not destroy the sync's control group at exit: %s", e)
+    _GROUPS.clear()
 
 
 class Coordinator:

@@ -653,6 +653,9 @@ def _causes(e: BaseException) -> list[BaseException]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import faulthandler
+
+    faulthandler.enable()  # a native crash prints every thread's Python stack into the launch log
     args = _parse(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -662,8 +665,31 @@ def main(argv: list[str] | None = None) -> int:
     if result["error"] is not None:
         print(result["error"]["traceback"], file=sys.stderr)
         _wait_for_other_ranks()
-        return 1
+        _leave(1)
+    _leave(0)
     return 0
+
+
+def _leave(code: int) -> None:
+    """Destroy the process groups, then exit without interpreter finalisation.
+
+    Why: gloo's worker threads can still hold a finished collective's Work, and with it tensors owned by Python
+    objects; destroying those during finalisation takes the GIL from a C++ thread while the interpreter is torn
+    down, which aborts the process (SIGABRT, "terminate called without an active exception"; seen in CI at the end
+    of a job that had written its result; pytorch/pytorch#179291 describes the mechanism). The result is on disk.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - leaving anyway; the result is written
+            print(f"destroy_process_group failed: {e}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _wait_for_other_ranks(timeout_s: float = 60.0) -> None:

@@ -1,0 +1,219 @@
+"""Send only what can have changed (`SyncConfig(delta=True)`, the default), and prove every sync that the rest did not.
+
+Why: with LoRA or frozen parts (embeddings, a vision tower, lower layers), most weights cannot change between syncs,
+yet a complete sync gathers and pushes them all. After one complete sync, a delta sync sends the tensors that can
+change (trainable parameters; for PEFT the base weights that adapters merge into, and `modules_to_save` copies),
+each widened to whole engine modules, and skips the rest. Skipping is only worth having if it is never wrong, so:
+
+- **Proof, every sync.** Each rank fingerprints its own shards of every skipped parameter (on its device, no gather)
+  and compares them with the fingerprints taken when those values were last pushed; the ranks agree on the union of
+  what changed with one small collective, and a changed skipped parameter is sent (and logged by name).
+- **Whole engine modules.** vLLM's layer-wise reload processes a layer once all of its weights arrived; a layer that
+  receives part of its weights is processed from what it has at the end of the reload, the rest uninitialised
+  (measured on vLLM 0.32: the v rows of a fused `qkv_proj` after a push of q_proj and k_proj alone). So every
+  checkpoint tensor that vLLM loads into the same module goes together: the engine model's `packed_modules_mapping`
+  says which checkpoint modules one engine module fuses (`qkv_proj: [q_proj, k_proj, v_proj]`), and a module the
+  engine owns above the checkpoint's (a fused-experts module over `experts.<i>.*`) takes everything under it.
+- **Complete when in doubt.** The first sync of a sync object, every sync after a failed one, and every sync after
+  the trainable set changed (`requires_grad` flipped, adapters switched) are complete again.
+
+The fingerprint of a tensor is two int64 sums over its raw bits: their plain sum and their sum weighted by position
+(so any change of one element, and any swap of two, changes it), computed in chunks on the tensor's own device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_sync.compat.manifest import PlannedTensor
+
+__all__ = ["DeltaTracker", "EngineGroups", "Selection", "fingerprints"]
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 1 << 22  # elements per fingerprint chunk: bounds the int64 temporaries (32 MiB)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fingerprint(tensor: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    bits = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() or flat.is_complex() else flat
+    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for start in range(0, bits.numel(), _CHUNK):
+        chunk = bits[start : start + _CHUNK].to(torch.int64)
+        total[0] += chunk.sum()
+        # Positions continue across chunks (start + 1 ...): the weights are shifted by the chunk's offset.
+        total[1] += (chunk * weights[: chunk.numel()]).sum() + start * chunk.sum()
+    return total
+
+
+def fingerprints(shards: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.Tensor]]:
+    """Fingerprints of each named tensor (two int64 sums, on the tensor's device), in order."""
+    names: list[str] = []
+    prints: list[torch.Tensor] = []
+    weights: dict[torch.device, torch.Tensor] = {}
+    for name, tensor in shards:
+        if tensor.device not in weights:
+            weights[tensor.device] = torch.arange(1, _CHUNK + 1, dtype=torch.int64, device=tensor.device)
+        names.append(name)
+        prints.append(_fingerprint(tensor, weights[tensor.device]))
+    return names, prints
+
+
+class EngineGroups:
+    """Which checkpoint tensors vLLM loads into one engine module (a module that receives any must receive all).
+
+    Args:
+        packed: the engine model's `packed_modules_mapping` (engine module -> the checkpoint modules it fuses).
+        engine_modules: paths of the engine modules that own parameters (colocate: from the engine model; server:
+            from the server's parameter names).
+    """
+
+    def __init__(self, packed: Mapping[str, Sequence[str]], engine_modules: Iterable[str]) -> None:
+        self._fused = {part: fused for fused, parts in packed.items() for part in parts}
+        self._modules = frozenset(engine_modules)
+
+    def group(self, name: str) -> str:
+        """The engine module a checkpoint tensor is loaded into."""
+        module = name.rpartition(".")[0]
+        parent, _, last = module.rpartition(".")
+        if last in self._fused:
+            module = f"{parent}.{self._fused[last]}" if parent else self._fused[last]
+        # A module the engine owns above the checkpoint's own (fused experts: `...mlp.experts` over
+        # `...mlp.experts.<i>.gate_proj`) takes everything under it.
+        segments = module.split(".")
+        for end in range(1, len(segments)):
+            prefix = ".".join(segments[:end])
+            if prefix in self._modules:
+                return prefix
+        return module
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What one sync gathers and sends.
+
+    Attributes:
+        complete: every planned tensor (the first sync, after a failure or a structure change, or delta off).
+        gather: trainer names to gather (None: all).
+        tensors: the planned tensors sent, in stream order.
+        skipped: planned tensors not sent.
+        changed: trainer names among the skipped ones that changed since they were last pushed (sent this time).
+    """
+
+    complete: bool
+    gather: frozenset[str] | None
+    tensors: tuple[PlannedTensor, ...]
+    skipped: tuple[PlannedTensor, ...] = ()
+    changed: tuple[str, ...] = ()
+
+
+class DeltaTracker:
+    """The delta plan of one model structure and the fingerprints of the weights it skips.
+
+    Args:
+        tensors: the planned tensors, in stream order.
+        trainable: trainer names that can change between syncs (parameters with `requires_grad`).
+        merge_targets: checkpoint names that PEFT adapters merge into.
+        groups: the engine's module grouping.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[PlannedTensor],
+        trainable: frozenset[str],
+        merge_targets: frozenset[str],
+        groups: EngineGroups,
+    ) -> None:
+        self.tensors = tuple(tensors)
+        self.groups = groups
+        self.trainable = trainable
+        by_group: dict[str, list[PlannedTensor]] = {}
+        for t in self.tensors:
+            by_group.setdefault(groups.group(t.name), []).append(t)
+        self._by_group = by_group
+        seeds = {t.name for t in self.tensors if t.name in merge_targets or set(t.sources) & trainable}
+        self.always = self._widen(seeds)
+        sent_sources = {s for t in self.tensors if t.name in self.always for s in t.sources}
+        # Skipped and watched: the sources of every tensor not always sent (a source is never both).
+        self.watched = tuple(sorted({s for t in self.tensors if t.name not in self.always for s in t.sources}
+                                    - sent_sources))  # fmt: skip
+        self._reference: dict[str, torch.Tensor] | None = None
+
+    def _widen(self, names: set[str]) -> frozenset[str]:
+        """`names` widened to whole engine modules and to every output of the trainer tensors they come from,
+        until nothing more is added."""
+        sources_of = {t.name: set(t.sources) for t in self.tensors}
+        outputs_of: dict[str, set[str]] = {}
+        for t in self.tensors:
+            for s in t.sources:
+                outputs_of.setdefault(s, set()).add(t.name)
+        result = set(names)
+        while True:
+            grown = {n for name in result for n in (t.name for t in self._by_group[self.groups.group(name)])}
+            grown |= {o for name in grown for s in sources_of[name] for o in outputs_of[s]}
+            if grown <= result:
+                return frozenset(result)
+            result |= grown
+
+    @property
+    def has_reference(self) -> bool:
+        return self._reference is not None
+
+    def forget(self) -> None:
+        """After a failed sync: the next one is complete (the engine may hold anything the failure left)."""
+        self._reference = None
+
+    def record(self, shards: Iterable[tuple[str, torch.Tensor]], only: Iterable[str] | None = None) -> None:
+        """Fingerprint the watched weights (or `only` these) as they were just pushed."""
+        names, prints = fingerprints(shards)
+        fresh = dict(zip(names, prints, strict=True))
+        if only is None or self._reference is None:
+            self._reference = fresh
+        else:
+            self._reference.update({n: fresh[n] for n in only if n in fresh})
+
+    def changed(self, shards: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Watched trainer names whose local shard differs from its fingerprint at the last push (this rank)."""
+        assert self._reference is not None
+        names, prints = fingerprints(shards)
+        if not names:
+            return []
+        now = torch.stack([p.cpu() for p in prints]) if len({p.device for p in prints}) > 1 else torch.stack(prints)
+        ref = torch.stack([self._reference[n].to(now.device) for n in names])
+        differs = (now != ref).any(dim=1).tolist()
+        return [n for n, d in zip(names, differs, strict=True) if d]
+
+    def select(self, changed: Iterable[str]) -> Selection:
+        """The delta selection: the always-sent tensors plus whatever the changed skipped weights widen to."""
+        changed = tuple(sorted(changed))
+        extra = {t.name for t in self.tensors if set(t.sources) & set(changed)}
+        sent = self.always | self._widen(extra) if extra else self.always
+        tensors = tuple(t for t in self.tensors if t.name in sent)
+        skipped = tuple(t for t in self.tensors if t.name not in sent)
+        return Selection(False, frozenset(s for t in tensors for s in t.sources), tensors, skipped, changed)
+
+    def complete(self) -> Selection:
+        return Selection(True, None, self.tensors)
+
+
+def iter_named(shards: Iterator[tuple[str, torch.Tensor]], names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The shards of the given names only."""
+    wanted = set(names)
+    return ((n, t) for n, t in shards if n in wanted)
+
+
+def nbytes(tensors: Iterable[PlannedTensor], engine_dtype: torch.dtype | None) -> int:
+    """Bytes of planned tensors on the wire (floating tensors in the engine dtype)."""
+    total = 0
+    for t in tensors:
+        dtype = engine_dtype if (engine_dtype is not None and t.spec.dtype.is_floating_point) else t.spec.dtype
+        total += math.prod(t.spec.shape) * dtype.itemsize
+    return total
