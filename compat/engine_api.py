@@ -9,7 +9,9 @@ themselves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,7 @@ __all__ = [
     "finalize_failed_reload",
     "packed_modules",
     "packed_modules_for_architectures",
+    "quiet_partial_reload",
     "reset_prefix_cache",
     "split_worker_digests",
     "trainer_transfer_engine",
@@ -285,3 +288,31 @@ def split_worker_digests(checksums: dict[str, str]) -> tuple[list[dict[str, str]
         sharded = sharded or (pp, pcp, tp) != ("pp0", "pcp0", "tp0")
         replicas.setdefault(dp, {})[name] = digest
     return list(replicas.values()), sharded
+
+
+class _PartialReloadFilter(logging.Filter):
+    """Drops vLLM's warnings about weights a reload was not given (expected when a sync sends only what changed)."""
+
+    MESSAGES = ("Failed to load weights", "Following weights were not loaded from checkpoint")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(m in str(record.msg) for m in self.MESSAGES)
+
+
+@contextlib.contextmanager
+def quiet_partial_reload() -> Iterator[None]:
+    """While a reload runs: vLLM's layer-wise reload warns once per layer it received nothing for, and once more
+    listing them; a delta sync leaves most layers out on purpose, so those two warnings are dropped (the sync's own
+    report says what was skipped)."""
+    loggers = [
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise"),
+        logging.getLogger("vllm.model_executor.model_loader.reload.inplace"),
+    ]
+    quiet = _PartialReloadFilter()
+    for log in loggers:
+        log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for log in loggers:
+            log.removeFilter(quiet)

@@ -38,6 +38,13 @@ class SyncConfig:
             Keep it above the longest push of one rank (server mode: above `server_timeout_s`).
         check_finite: before each sync, look for NaN/Inf in every rank's own shards (no gather; one pass over the
             local weights); any found: every rank raises `NonFiniteWeightsError` naming them, nothing is sent.
+        delta: after one complete sync, send only the tensors that can have changed (trainable parameters; for PEFT
+            the base weights adapters merge into, and `modules_to_save` copies), each widened to whole engine
+            modules, and skip the rest (frozen weights, base weights without adapters); the first sync, every sync
+            after a failed one and every sync after the trainable set changed are complete. See `fsdp_sync.delta`.
+        delta_check: with `delta`, prove every sync that the skipped weights did not change: each rank fingerprints
+            its own shards of them (no gather) against their fingerprints when last pushed, the ranks agree, and a
+            changed one is sent and logged. Off only if nothing but the optimizer ever writes the weights.
         verify: after each push, compare the engine's own per-parameter sha256 digests with digests of what was
             sent (computed trainer-side in the engine's fused layout); a difference raises `VerifyError` on every
             rank; weights the engine cannot show are reported as unverifiable. Costs a hash of every byte on both
@@ -55,6 +62,8 @@ class SyncConfig:
     sync_timeout_s: float = 600.0
     check_finite: bool = False
     verify: bool = False
+    delta: bool = True
+    delta_check: bool = True
 
     def __post_init__(self) -> None:
         if self.fsdp1_strategy not in _FSDP1:

@@ -79,6 +79,41 @@ class Coordinator:
         self.group = _control_group(timeout_s) if world_size() > 1 else None
         self._broken: str | None = None
 
+    def exchange(self, item: object) -> list[object]:
+        """Every rank's `item`, on every rank, in rank order (bounded like `agree`; a small object per rank)."""
+        if self.group is None:
+            return [item]
+        self._check_usable()
+        try:
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
+            gathered: list[object] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, item, group=self.group)
+        except RuntimeError as e:
+            raise self._timed_out(e, None) from e
+        return gathered
+
+    def broadcast(self, item: object) -> object:
+        """Rank 0's `item`, on every rank (bounded like `agree`)."""
+        return self.exchange(item)[0]
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise SyncTimeoutError(
+                f"A previous weight sync timed out ({self._broken}); the ranks can no longer agree. Restart the job."
+            )
+
+    def _timed_out(self, e: RuntimeError, failure: RankFailure | None) -> SyncTimeoutError:
+        self._broken = f"{type(e).__name__}: {e}"
+        own = f" This rank had failed itself: {failure.describe()}." if failure is not None else ""
+        return SyncTimeoutError(
+            f"Not every rank reached the end of this weight sync stage within {self.timeout_s:g} s "
+            f"(SyncConfig.sync_timeout_s) on rank {rank()}: {str(e).rstrip('.! ')}.{own} A rank that does not arrive "
+            "is hung (look for a rank still inside its engine push or a collective) or has died; the ranks cannot "
+            "run collectives together any more. Restart the job.",
+            failures=(failure,) if failure is not None else (),
+        )
+
     def agree(self, failure: RankFailure | None) -> list[RankFailure]:
         """Every rank's failure, on every rank (empty when none failed).
 
@@ -91,10 +126,7 @@ class Coordinator:
         """
         if self.group is None:
             return [failure] if failure is not None else []
-        if self._broken is not None:
-            raise SyncTimeoutError(
-                f"A previous weight sync timed out ({self._broken}); the ranks can no longer agree. Restart the job."
-            )
+        self._check_usable()
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
             # NOTE: gloo's monitored barrier names the ranks that did not arrive (on rank 0; the others learn that
@@ -107,13 +139,5 @@ class Coordinator:
             gathered: list[RankFailure | None] = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(gathered, failure, group=self.group)
         except RuntimeError as e:
-            self._broken = f"{type(e).__name__}: {e}"
-            own = f" This rank had failed itself: {failure.describe()}." if failure is not None else ""
-            raise SyncTimeoutError(
-                f"Not every rank reached the end of this weight sync stage within {self.timeout_s:g} s "
-                f"(SyncConfig.sync_timeout_s) on rank {rank()}: {str(e).rstrip('.! ')}.{own} A rank that does not arrive is hung (look "
-                "for a rank still inside its engine push or a collective) or has died; the ranks cannot run "
-                "collectives together any more. Restart the job.",
-                failures=(failure,) if failure is not None else (),
-            ) from e
+            raise self._timed_out(e, failure) from e
         return [f for f in gathered if f is not None]

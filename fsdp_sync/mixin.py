@@ -174,6 +174,8 @@ class FSDPVLLMSyncMixin:
             timeout_s=config.sync_timeout_s,
             check_finite=config.check_finite,
             verify=config.verify,
+            delta=config.delta,
+            delta_check=config.delta_check,
         )
 
     @property

@@ -7,6 +7,7 @@ gathers, then all ranks agree on the outcome within `SyncConfig.sync_timeout_s`,
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from fsdp_sync.compat.layout import IdentityLayout, Layout
 from fsdp_sync.compat.manifest import ManifestError, PlannedTensor, TensorSpec, check_plan
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 
+from .delta import DeltaTracker, EngineGroups, Selection, iter_named, nbytes
 from .distributed import Coordinator, rank
 from .errors import (
     EngineState,
@@ -103,6 +105,8 @@ class WeightSync:
         timeout_s: the bound on each agreement between ranks (`SyncConfig.sync_timeout_s`).
         check_finite: refuse to push when a trainer weight holds NaN or Inf (`SyncConfig.check_finite`).
         verify: compare the engine's weight digests with what was sent after each push (`SyncConfig.verify`).
+        delta: after a complete sync, send only what can have changed (`SyncConfig.delta`; `fsdp_sync.delta`).
+        delta_check: with `delta`, prove every sync that the skipped weights did not change (`SyncConfig.delta_check`).
     """
 
     def __init__(
@@ -119,6 +123,8 @@ class WeightSync:
         timeout_s: float = 600.0,
         check_finite: bool = False,
         verify: bool = False,
+        delta: bool = False,
+        delta_check: bool = True,
     ) -> None:
         self.gatherer = gatherer
         self.writer = writer
@@ -133,6 +139,11 @@ class WeightSync:
         self.coordinator = Coordinator(timeout_s)
         self._plan: SyncPlan | None = None
         self._digests: EngineDigests | None = None
+        self.delta = delta
+        self.delta_check = delta_check
+        self._groups: EngineGroups | None = None
+        self._delta: DeltaTracker | None = None
+        self._prepared: tuple[PlannedTensor, ...] = ()
 
     @property
     def checked_plan(self) -> SyncPlan | None:
@@ -153,12 +164,15 @@ class WeightSync:
             return self._plan
         error: Exception | None = None
         plan: SyncPlan | None = None
+        groups: EngineGroups | None = None
         try:
             plan = build_plan(self.gatherer, self.rules, self.layout)
             if self.check_manifest and self.writer.pushes:
                 check_plan(plan.tensors, self.writer.manifest())
             if self.verify and self.writer.pushes:
                 self._digests = self.writer.engine_digest_plan()
+            if self.delta and rank() == 0:
+                groups = self.writer.engine_groups()
         except Exception as e:  # every rank must learn of it before anyone gathers
             error = e
         failures = self._agree(error, "plan")
@@ -169,11 +183,70 @@ class WeightSync:
             remote = ManifestError if manifest else RemoteSyncError
             raise remote(f"The weight sync failed on {_describe(failures)}. Nothing was sent.")
         assert plan is not None
+        if self.delta:
+            # NOTE: the selection decides which collectives run, so every rank must make the same one: the engine's
+            # grouping is read where the engine is known (rank 0; in server mode only it talks to the server).
+            self._groups = self.coordinator.broadcast(groups)  # type: ignore[assignment]
         for d in plan.dropped:
             logger.info("weight sync: not sending %s: %s", d.name, d.reason)
         self.writer.prepare(plan.tensors)
+        self._prepared = plan.tensors
         self._plan = plan
         return plan
+
+    def _selection(self, plan: SyncPlan) -> tuple[Selection, float]:
+        """What this sync sends, the same on every rank: everything, or (delta) what can have changed plus whatever
+        skipped weight changed since it was last pushed. Returns it with the seconds the check took."""
+        if not self.delta:
+            return Selection(True, None, plan.tensors), 0.0
+        started = time.perf_counter()
+        trainable = self.gatherer.trainable()
+        tracker = self._delta
+        if tracker is None or tracker.trainable != trainable:  # new, or the trainable set changed: complete first
+            assert self._groups is not None
+            merge_names = self.merge.names if self.merge is not None else frozenset()
+            tracker = self._delta = DeltaTracker(plan.tensors, trainable, merge_names, self._groups)
+        changed: list[str] = []
+        error: Exception | None = None
+        if tracker.has_reference and self.delta_check:
+            try:
+                changed = tracker.changed(iter_named(self.gatherer.local_shards(), tracker.watched))
+            except Exception as e:
+                error = e
+        # NOTE: a stable digest (str hashes differ between processes).
+        structure = hashlib.sha256("\n".join(sorted(trainable)).encode()).hexdigest()
+        failure = None if error is None else RankFailure(rank(), "check", f"{type(error).__name__}: {error}")
+        state = (structure, tracker.has_reference, changed, failure)
+        states = self.coordinator.exchange(state)
+        failures = [s[3] for s in states if s[3] is not None]  # type: ignore[index]
+        if failures:
+            raise _agreed_error(error, failures, EngineState("unchanged") if self.writer.pushes else None)
+        if len({s[0] for s in states}) > 1:  # type: ignore[index]
+            raise SyncStageError(
+                "The trainable parameters (requires_grad) differ between ranks; every rank must train the same ones "
+                "(the ranks would gather different units). Nothing was sent."
+            )
+        seconds = time.perf_counter() - started
+        if not all(s[1] for s in states):  # type: ignore[index]
+            return tracker.complete(), seconds
+        union = sorted({name for s in states for name in s[2]})  # type: ignore[index]
+        if union:
+            logger.warning(
+                "weight sync: %d skipped weight(s) changed since they were last pushed; sending them: %s",
+                len(union),
+                ", ".join(plan.targets.get(n, n) for n in union),
+            )
+        return tracker.select(union), seconds
+
+    def _record(self, selection: Selection) -> None:
+        """After a successful push: fingerprint what was skipped (complete) or the skipped weights that were sent."""
+        tracker = self._delta
+        if tracker is None or not self.delta_check:
+            return
+        if selection.complete:
+            tracker.record(iter_named(self.gatherer.local_shards(), tracker.watched))
+        elif selection.changed:
+            tracker.record(iter_named(self.gatherer.local_shards(), selection.changed), only=selection.changed)
 
     def _check_finite(self, plan: SyncPlan) -> None:
         """Before anything is gathered: every rank looks for NaN/Inf in its own shards (no gather); the ranks agree,
@@ -210,6 +283,7 @@ class WeightSync:
         *,
         copy_all: bool = False,
         digests: EngineDigests | None = None,
+        expected: frozenset[str] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under checkpoint names, cast to the engine dtype once; copied only where the writer keeps
         references and the gatherer frees storage at the next unit, or always with `copy_all` (a caller that keeps
@@ -267,7 +341,7 @@ class WeightSync:
                 del tensor
             except Exception as e:
                 raise failure.set(stage, e) from e
-        missing = sorted(set(plan.targets) - seen)
+        missing = sorted((set(plan.targets) if expected is None else expected & set(plan.targets)) - seen)
         if missing:
             error = IncompleteSyncError(
                 f"{len(missing)} planned parameter(s) were never gathered: {', '.join(missing[:10])}"
@@ -288,7 +362,9 @@ class WeightSync:
             assert failure.error is not None
             raise failure.error from e.__cause__
 
-    def _push(self, plan: SyncPlan, counts: dict[str, int], digests: EngineDigests | None) -> EngineState | None:
+    def _push(
+        self, plan: SyncPlan, counts: dict[str, int], digests: EngineDigests | None, selection: Selection
+    ) -> EngineState | None:
         """Hand the stream to the writer, finish this rank's share of the gathers whatever happened, then agree with
         every rank on the outcome before anyone goes on.
 
@@ -303,12 +379,12 @@ class WeightSync:
             this rank's engine state (None on a rank that does not push).
         """
         failure = _Failure()
-        source = iter(self.gatherer.iter_full(self.meter))
+        source = iter(self.gatherer.iter_full(self.meter, selection.gather))
         writer_error: Exception | None = None
         engine: EngineState | None = None
         leftover = 0
         if self.writer.pushes:
-            stream = self._stream(plan, source, counts, failure, digests=digests)
+            stream = self._stream(plan, source, counts, failure, digests=digests, expected=selection.gather)
             try:
                 self.writer.write(stream)
                 engine = EngineState("current")
@@ -320,9 +396,9 @@ class WeightSync:
                     leftover = sum(1 for _ in stream)
                 except StreamInterrupted:
                     pass  # recorded in `failure`
-        else:  # a rank that does not push runs the gathers only; its figures are the plan's
-            counts["tensors"] = len(plan.tensors)
-            counts["bytes"] = sum(_wire_bytes(t.spec, self.writer.engine_dtype) for t in plan.tensors)
+        else:  # a rank that does not push runs the gathers only; its figures are the selection's
+            counts["tensors"] = len(selection.tensors)
+            counts["bytes"] = nbytes(selection.tensors, self.writer.engine_dtype)
         try:
             for _ in source:
                 pass
@@ -385,13 +461,22 @@ class WeightSync:
         plan = self.plan()
         if self.check_finite:
             self._check_finite(plan)
+        selection, check_seconds = self._selection(plan)
+        if self.writer.pushes and selection.tensors != self._prepared:
+            self.writer.prepare(selection.tensors)  # transports that announce tensors announce this sync's
+            self._prepared = selection.tensors
         counts = {"bytes": 0, "tensors": 0}
         digests = self._digests
         if digests is not None:
             digests.reset()
         self.meter.start()
         start = time.perf_counter()
-        self._push(plan, counts, digests)
+        try:
+            self._push(plan, counts, digests, selection)
+        except SyncError:
+            if self._delta is not None:
+                self._delta.forget()  # the engine may hold anything the failure left: the next sync is complete
+            raise
         if self.meter.device.type == "cuda":
             torch.cuda.synchronize(self.meter.device)
         seconds = time.perf_counter() - start
@@ -399,10 +484,18 @@ class WeightSync:
         verify_seconds = 0.0
         if self.verify:
             started = time.perf_counter()
-            verified = self._verify(digests) if digests is not None else self._verify_elsewhere()
+            try:
+                verified = self._verify(digests) if digests is not None else self._verify_elsewhere()
+            except SyncError:
+                if self._delta is not None:
+                    self._delta.forget()
+                raise
             verify_seconds = time.perf_counter() - started + (digests.seconds if digests is not None else 0.0)
             if verified.unverifiable:
                 logger.warning("weight sync: %s", verified.describe_unverifiable())
+        started = time.perf_counter()
+        self._record(selection)
+        check_seconds += time.perf_counter() - started
         return SyncReport(
             seconds=seconds,
             bytes=counts["bytes"],
@@ -415,6 +508,11 @@ class WeightSync:
             verified=verified.checked if verified is not None else None,
             unverifiable=len(verified.unverifiable) if verified is not None else None,
             verify_seconds=verify_seconds,
+            complete=selection.complete,
+            skipped_tensors=len(selection.skipped),
+            skipped_bytes=nbytes(selection.skipped, self.writer.engine_dtype),
+            changed_skipped=len(selection.changed),
+            check_seconds=check_seconds,
         )
 
     def _verify_elsewhere(self) -> VerifyResult:
@@ -423,11 +521,6 @@ class WeightSync:
         if failures:
             raise _agreed_error(None, failures, None)
         return VerifyResult()
-
-
-def _wire_bytes(spec: TensorSpec, engine_dtype: torch.dtype | None) -> int:
-    dtype = engine_dtype if (engine_dtype is not None and spec.dtype.is_floating_point) else spec.dtype
-    return spec.numel * dtype.itemsize
 
 
 def _describe(failures: list[RankFailure]) -> str:

@@ -25,6 +25,11 @@ class SyncReport:
         verified: with `SyncConfig(verify=True)`: engine weights whose digest matched what was sent.
         unverifiable: with `verify`: engine weights that could not be compared (named in the logs).
         verify_seconds: with `verify`: time spent on digests, trainer and engine side (not in `seconds`).
+        complete: every planned tensor was sent (False: a delta sync, `SyncConfig.delta`).
+        skipped_tensors, skipped_bytes: planned tensors a delta sync did not send, and their bytes on the wire.
+        changed_skipped: skipped weights found changed by the delta check (sent, and logged by name).
+        check_seconds: time of the delta check (fingerprints of the skipped weights and the agreement; not in
+            `seconds`).
     """
 
     seconds: float
@@ -41,6 +46,11 @@ class SyncReport:
     verified: int | None = None
     unverifiable: int | None = None
     verify_seconds: float = 0.0
+    complete: bool = True
+    skipped_tensors: int = 0
+    skipped_bytes: int = 0
+    changed_skipped: int = 0
+    check_seconds: float = 0.0
 
     @classmethod
     def failed(cls, error: BaseException, engine: str, *, backend: str, strategy: str, writer: str) -> SyncReport:
@@ -63,6 +73,8 @@ class SyncReport:
             f"{prefix}tensors": float(self.tensors),
             f"{prefix}peak_extra_gbytes": self.peak_extra_bytes / 1e9,
             f"{prefix}failed": 0.0,
+            f"{prefix}skipped_tensors": float(self.skipped_tensors),
+            f"{prefix}skipped_gbytes": self.skipped_bytes / 1e9,
         }
         if self.verified is not None:
             metrics[f"{prefix}verify_seconds"] = self.verify_seconds
@@ -72,8 +84,12 @@ class SyncReport:
     def summary(self) -> str:
         if not self.ok:
             return f"weight sync [{self.backend}/{self.strategy} -> {self.writer}] FAILED; engine {self.engine}: {self.error}"
+        skipped = (
+            f" (delta: {self.skipped_tensors} tensors, {self.skipped_bytes / 1e6:.2f} MB skipped, checked in "
+            f"{self.check_seconds * 1e3:.1f} ms)" if not self.complete else ""
+        )
         return (
-            f"weight sync [{self.backend}/{self.strategy} -> {self.writer}]: {self.tensors} tensors, "
+            f"weight sync [{self.backend}/{self.strategy} -> {self.writer}]: {self.tensors} tensors{skipped}, "
             f"{self.bytes / 1e6:.2f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
             f"peak extra {self.peak_extra_bytes / 1e6:.2f} MB ({self.memory_source})"
         )

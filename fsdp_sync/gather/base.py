@@ -38,8 +38,13 @@ class Gatherer(Protocol):
         `iter_full` yields them (transports that announce tensors before sending them rely on it)."""
         ...
 
-    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield every parameter's full tensor once. Every rank must exhaust it: it runs collectives."""
+    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield every parameter's full tensor once (or only those named in `select`; units holding none of them are
+        not gathered at all). Every rank must exhaust it, with the same `select`: it runs collectives."""
+        ...
+
+    def trainable(self) -> frozenset[str]:
+        """Trainer names of the parameters that can change between syncs (`requires_grad`), without a collective."""
         ...
 
     def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:

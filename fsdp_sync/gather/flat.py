@@ -39,7 +39,7 @@ from ..errors import SyncTimeoutError
 from ..memory import MemoryMeter
 from .base import FailureLatch, local_named_parameters, spec_of
 from .fsdp1 import _FSDP1Base
-from .fsdp2 import _full_tensor, fsdp2_local_shards, fsdp2_units
+from .fsdp2 import _full_tensor, fsdp2_local_shards, fsdp2_trainable, fsdp2_units
 
 __all__ = ["FSDP1FlatGatherer", "FSDP2FlatGatherer"]
 
@@ -116,24 +116,26 @@ def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, world: int
 
 
 def _pipelined(
-    n: int,
+    visits: list[int],
     start: Callable[[int], object],
     finish: Callable[[int, object], Iterator],
     sizes: list[int],
     limit: int,
     latch: FailureLatch,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield visit k's tensors from `finish(k, start(k))`, starting visit k+1's gather before that when it fits in
-    `limit` bytes (so at most one unit plus `limit` bytes are gathered at once). Once `latch` holds a failure,
-    `start` and `finish` only run the collectives; at the end the failure is raised (`GatherFailed`)."""
-    pending = start(0) if n else None
-    for k in range(n):
-        early = k + 1 < n and sizes[k + 1] <= limit
-        following = start(k + 1) if early else None
+    """Yield each visit k's tensors from `finish(k, start(k))`, in the order of `visits`, starting the next visit's
+    gather before that when it fits in `limit` bytes (so at most one unit plus `limit` bytes are gathered at once).
+    Once `latch` holds a failure, `start` and `finish` only run the collectives; at the end the failure is raised
+    (`GatherFailed`)."""
+    n = len(visits)
+    pending = start(visits[0]) if n else None
+    for i, k in enumerate(visits):
+        early = i + 1 < n and sizes[visits[i + 1]] <= limit
+        following = start(visits[i + 1]) if early else None
         yield from finish(k, pending)
         pending = None  # release visit k's buffer before a late start allocates the next one
-        if k + 1 < n:
-            pending = following if early else start(k + 1)
+        if i + 1 < n:
+            pending = following if early else start(visits[i + 1])
     latch.raise_if_failed(completed=True)
 
 
@@ -209,15 +211,15 @@ class FSDP1FlatGatherer(_FSDP1Base, _FlatBase):
         views = handle._get_unflat_views(full[:numel])
         return [(name, view) for (name, _, _), view in zip(params, views, strict=True)]
 
-    def _finish(self, k: int, pending: _InFlight) -> Iterator[tuple[str, torch.Tensor]]:
+    def _finish(self, k: int, pending: _InFlight, select: frozenset[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
         if not self._units[k][1]:
             return
         full = pending.wait(self._timeout)
         items = self._latch.run(lambda: self._views(k, full))
         del full
-        yield from items or ()
+        yield from ((name, view) for name, view in items or () if select is None or name in select)
 
-    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         self._latch.reset()
 
         def start(k: int) -> _InFlight:
@@ -226,8 +228,13 @@ class FSDP1FlatGatherer(_FSDP1Base, _FlatBase):
                 meter.hold_until_freed(pending.out)
             return pending
 
-        yield from _pipelined(len(self._units), start, self._finish, self._sizes, self.prefetch_bytes, self._latch)
-        yield from self._iter_ignored()
+        def finish(k: int, pending: _InFlight) -> Iterator[tuple[str, torch.Tensor]]:
+            return self._finish(k, pending, select)
+
+        # NOTE: a flat parameter is gathered whole: a unit with any selected parameter is visited entire.
+        visits = [k for k, (_, params) in enumerate(self._units) if select is None or any(n in select for n, _, _ in params)]
+        yield from _pipelined(visits, start, finish, self._sizes, self.prefetch_bytes, self._latch)
+        yield from self._iter_ignored(select)
 
 
 @dataclass(frozen=True)
@@ -280,6 +287,7 @@ class FSDP2FlatGatherer(_FlatBase):
         timeout_s: float | None = None,
     ) -> None:
         self._init_flat(timeout_s)
+        self._select: frozenset[str] | None = None
         self.model = model
         self.engine_dtype = engine_dtype
         self.compute_device = compute_device
@@ -334,9 +342,14 @@ class FSDP2FlatGatherer(_FlatBase):
         padded[: local.numel()].copy_(local.reshape(-1))  # the padding rows are never read back
         return padded
 
+    def _slots(self, k: int) -> list[_Slot]:
+        """Unit k's flat-gathered parameters this sync gathers (all, or those selected)."""
+        select = self._select
+        return [s for s in self._visits[k].slots if select is None or s.name in select]
+
     def _prepare(self, k: int) -> list[torch.Tensor]:
         """This rank's shards of unit k's flat-gathered parameters, in slot order (this rank's own work)."""
-        return [self._local(slot) for slot in self._visits[k].slots]
+        return [self._local(slot) for slot in self._slots(k)]
 
     def _placeholder(self, slot: _Slot) -> torch.Tensor:
         device = self.compute_device or self.model.get_parameter(slot.name).to_local().device
@@ -349,11 +362,12 @@ class FSDP2FlatGatherer(_FlatBase):
         world, group = visit.mesh.size(), visit.mesh.get_group()
         # This rank's own work first, then every collective of the unit: a failure of the former must not leave a
         # unit's collectives half-launched (the rest would pair with the next unit's on the other ranks).
-        shards = self._latch.attempt(lambda: self._prepare(k), [slot.name for slot in visit.slots])
+        slots = self._slots(k)
+        shards = self._latch.attempt(lambda: self._prepare(k), [slot.name for slot in slots])
         if shards is None:  # this rank failed: join the all-gathers with placeholders of the same sizes
-            shards = [self._placeholder(slot) for slot in visit.slots]
+            shards = [self._placeholder(slot) for slot in slots]
         started: list[tuple[_Slot, _InFlight]] = []
-        for slot, local in zip(visit.slots, shards, strict=True):
+        for slot, local in zip(slots, shards, strict=True):
             # NOTE: one output per parameter, not one per unit: a consumer still holding a unit's last tensor
             # while it asks for the next unit then pins one parameter, not the whole unit.
             out = torch.empty(world * local.numel(), dtype=slot.dtype, device=local.device)
@@ -364,7 +378,7 @@ class FSDP2FlatGatherer(_FlatBase):
     def _full(self, k: int, outs: list[tuple[_Slot, torch.Tensor]]) -> dict[str, torch.Tensor]:
         visit = self._visits[k]
         if visit.mesh is not None and visit.mesh.size() == 1:  # the local shards are the full tensors
-            return {s.name: self.model.get_parameter(s.name).to_local().detach().to(s.dtype) for s in visit.slots}
+            return {s.name: self.model.get_parameter(s.name).to_local().detach().to(s.dtype) for s in self._slots(k)}
         return {slot.name: out[: slot.shape[0] * slot.row_numel].view(slot.shape) for slot, out in outs}
 
     def _finish(
@@ -376,7 +390,10 @@ class FSDP2FlatGatherer(_FlatBase):
         full = self._latch.run(lambda: self._full(k, outs)) or {}
         del outs
         others = set(visit.others)
+        select = self._select
         for name in visit.names:
+            if select is not None and name not in select:
+                continue
             if name in others:  # materialised one by one (a collective for DTensors: runs after a failure too)
                 tensor = _full_tensor(self.model.get_parameter(name), self.compute_device, meter)
                 if not self._latch.failed:
@@ -385,8 +402,12 @@ class FSDP2FlatGatherer(_FlatBase):
             elif not self._latch.failed:
                 yield name, full.pop(name)
 
-    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+    def trainable(self) -> frozenset[str]:
+        return fsdp2_trainable(self.model, self._specs)
+
+    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         self._latch.reset()
+        self._select = select
 
         def start(k: int) -> list[tuple[_Slot, _InFlight]]:
             started = self._start(k)
@@ -397,7 +418,12 @@ class FSDP2FlatGatherer(_FlatBase):
         def finish(k: int, pending: list[tuple[_Slot, _InFlight]]) -> Iterator[tuple[str, torch.Tensor]]:
             return self._finish(k, pending, meter)
 
-        yield from _pipelined(len(self._visits), start, finish, self._sizes, self.prefetch_bytes, self._latch)
+        visits = [k for k, v in enumerate(self._visits) if select is None or any(n in select for n in v.names)]
+        sizes = [
+            sum(v.mesh.size() * s.local_numel * s.dtype.itemsize for s in self._slots(k)) if v.slots else 0
+            for k, v in enumerate(self._visits)
+        ]
+        yield from _pipelined(visits, start, finish, sizes, self.prefetch_bytes, self._latch)
 
 
 def _flat_gatherable(param: torch.Tensor) -> bool:

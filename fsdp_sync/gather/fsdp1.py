@@ -90,10 +90,35 @@ class _FSDP1Base:
         # Inside summon_full_params the original parameters are registered on their modules as full views.
         return reduce(getattr, fqn.split("."), unit._fsdp_wrapped_module).detach()
 
-    def _iter_visit(self, visit: list[tuple[FSDP, list[tuple[str, str, TensorSpec]]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_visit(
+        self, visit: list[tuple[FSDP, list[tuple[str, str, TensorSpec]]]], select: frozenset[str] | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for unit, params in visit:
             for name, fqn, _ in params:
-                yield name, self._read(unit, fqn)
+                if select is None or name in select:
+                    yield name, self._read(unit, fqn)
+
+    def _selected(self, visit: list[tuple[FSDP, list[tuple[str, str, TensorSpec]]]], select: frozenset[str] | None) -> bool:
+        return select is None or any(name in select for _, params in visit for name, _, _ in params)
+
+    def _iter_ignored(self, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self._ignored:
+            if select is None or name in select:
+                yield name, p.detach()
+
+    def trainable(self) -> frozenset[str]:
+        # With `use_orig_params` the original parameters carry their own flag; a flat parameter's covers its unit.
+        originals = dict(self.model.named_parameters())
+        names = set()
+        for visit in self._visits:
+            for unit, params in visit:
+                flat = unit._flat_param
+                for name, _, _ in params:
+                    param = originals.get(name)
+                    if (param.requires_grad if param is not None else flat is not None and flat.requires_grad):
+                        names.add(name)
+        names.update(name for name, p in self._ignored if p.requires_grad)
+        return frozenset(names)
 
     def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         # NOTE: each original parameter's slice of the local flat shard is in the flat parameter's
@@ -112,9 +137,6 @@ class _FSDP1Base:
                         yield name, local[:0]
         yield from self._iter_ignored()
 
-    def _iter_ignored(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self._ignored:
-            yield name, p.detach()
 
 
 def _visit_bytes(visit: list[tuple[FSDP, list[tuple[str, str, TensorSpec]]]]) -> int:
@@ -127,8 +149,14 @@ class FSDP1UnitGatherer(_FSDP1Base):
     strategy = "fsdp1-unit"
     tensors_outlive_step = False
 
-    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
-        for visit in self._visits:
+    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        # NOTE: before the root's lazy initialisation (its first forward or summon) the root unit is summoned even
+        # when none of its parameters is selected: summoning a nested unit first is the seed bug. FSDP1 records it
+        # in `_is_root` (None until initialised; torch 2.0-2.13).
+        root_pending = self._visits[0][0][0]._is_root is None
+        for i, visit in enumerate(self._visits):
+            if not self._selected(visit, select) and not (i == 0 and root_pending):
+                continue
             nbytes = _visit_bytes(visit)
             with contextlib.ExitStack() as stack:
                 # NOTE: the first unit is the root; summoning it first runs the lazy init from the true root (see
@@ -137,10 +165,10 @@ class FSDP1UnitGatherer(_FSDP1Base):
                     stack.enter_context(FSDP.summon_full_params(unit, recurse=False, writeback=False))
                 meter.hold(nbytes)
                 try:
-                    yield from self._iter_visit(visit)
+                    yield from self._iter_visit(visit, select)
                 finally:
                     meter.release(nbytes)
-        yield from self._iter_ignored()
+        yield from self._iter_ignored(select)
 
 
 class FSDP1RootSummonGatherer(_FSDP1Base):
@@ -149,7 +177,7 @@ class FSDP1RootSummonGatherer(_FSDP1Base):
     strategy = "fsdp1-root"
     tensors_outlive_step = True  # all storage stays alive until the generator is exhausted
 
-    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         paths = [p for p, _ in self.units]
         roots = [unit for path, unit in self.units if not any(_is_ancestor(q, path) for q in paths)]
         nbytes = sum(_visit_bytes(visit) for visit in self._visits)
@@ -159,7 +187,7 @@ class FSDP1RootSummonGatherer(_FSDP1Base):
             meter.hold(nbytes)
             try:
                 for visit in self._visits:
-                    yield from self._iter_visit(visit)
-                yield from self._iter_ignored()
+                    yield from self._iter_visit(visit, select)
+                yield from self._iter_ignored(select)
             finally:
                 meter.release(nbytes)

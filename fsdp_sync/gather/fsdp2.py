@@ -21,7 +21,7 @@ from fsdp_sync.compat.torch_api import fsdp2_param_groups
 from ..memory import MemoryMeter
 from .base import group_units, local_named_parameters, spec_of
 
-__all__ = ["FSDP2ParamGatherer", "FSDP2UnitGatherer", "fsdp2_local_shards", "fsdp2_units"]
+__all__ = ["FSDP2ParamGatherer", "FSDP2UnitGatherer", "fsdp2_local_shards", "fsdp2_trainable", "fsdp2_units"]
 
 
 def fsdp2_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -52,6 +52,11 @@ def _full_tensor(param: torch.Tensor, compute_device: torch.device | None, meter
     return full
 
 
+def fsdp2_trainable(model: nn.Module, names: Iterable[str]) -> frozenset[str]:
+    """The named parameters with `requires_grad` (a DTensor carries its parameter's flag)."""
+    return frozenset(name for name in names if model.get_parameter(name).requires_grad)
+
+
 def fsdp2_local_shards(model: nn.Module, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's local shard of each named parameter (plain tensors as they are); no collective."""
     for name in names:
@@ -78,12 +83,16 @@ class FSDP2ParamGatherer:
     def specs(self) -> dict[str, TensorSpec]:
         return {name: spec_of(p) for name, p in self.model.named_parameters()}
 
-    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
-            yield name, _full_tensor(param, self.compute_device, meter)
+            if select is None or name in select:
+                yield name, _full_tensor(param, self.compute_device, meter)
 
     def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         return fsdp2_local_shards(self.model, self.specs())
+
+    def trainable(self) -> frozenset[str]:
+        return fsdp2_trainable(self.model, self.specs())
 
 
 class FSDP2UnitGatherer:
@@ -141,8 +150,12 @@ class FSDP2UnitGatherer:
     def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         return fsdp2_local_shards(self.model, self._specs)
 
-    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
-        for to_unshard, names in self._visits:
+    def trainable(self) -> frozenset[str]:
+        return fsdp2_trainable(self.model, self._specs)
+
+    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for to_unshard, visit_names in self._visits:
+            names = [n for n in visit_names if select is None or n in select]
             if not names:
                 continue
             if not to_unshard:

@@ -30,9 +30,13 @@ class PlainGatherer:
     def specs(self) -> dict[str, TensorSpec]:
         return {name: spec_of(p) for name, p in self.model.named_parameters()}
 
-    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
-            yield name, param.detach()
+            if select is None or name in select:
+                yield name, param.detach()
+
+    def trainable(self) -> frozenset[str]:
+        return frozenset(name for name, p in self.model.named_parameters() if p.requires_grad)
 
     def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.iter_full(MemoryMeter(torch.device("cpu")))

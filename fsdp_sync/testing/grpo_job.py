@@ -46,7 +46,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--fsdp1-strategy", default="flat")
     p.add_argument("--fsdp2-strategy", default="flat")
-    p.add_argument("--peft", action="store_true", help="train a LoRA adapter (r=4 on q_proj, v_proj)")
+    p.add_argument("--peft", action="store_true", help="train a LoRA adapter (r=4 on --peft-targets)")
+    p.add_argument("--peft-targets", default="q_proj,v_proj", help="LoRA target modules, or 'all-linear'")
+    p.add_argument("--freeze", default=None, help="freeze the parameters whose names contain this (e.g. embed_tokens)")
+    p.add_argument("--unfreeze-at", type=int, default=None, help="before this sync, unfreeze what --freeze froze")
+    p.add_argument(
+        "--modify-skipped",
+        default=None,
+        metavar="NAME:SYNC",
+        help="before sync SYNC, change (in place, on every rank's shard) the frozen parameter whose name ends with NAME",
+    )
+    p.add_argument("--no-delta", action="store_true", help="SyncConfig(delta=False)")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--torch-compile", default=None, help="compile the model with this torch.compile backend")
     p.add_argument("--check", action="store_true", help="bit-exact engine check after every sync")
@@ -423,6 +433,25 @@ class Faults:
             sync.writer._fvs_planned = [t.name for t in sync.checked_plan.tensors]
 
 
+def _change_the_model(trainer: Any, args: argparse.Namespace, index: int) -> None:
+    """Test-side changes before sync `index`, the same on every rank: unfreeze what --freeze froze, or change a frozen
+    parameter in place (behind the optimizer's back, as user code might)."""
+    import torch
+
+    if args.unfreeze_at == index:
+        for name, p in trainer.model_wrapped.named_parameters():
+            if args.freeze in name:
+                p.requires_grad_(True)
+    if args.modify_skipped is not None:
+        suffix, at = args.modify_skipped.rsplit(":", 1)
+        if int(at) == index:
+            named = trainer.model_wrapped.named_parameters()
+            (param,) = [p for n, p in named if n.replace("_fsdp_wrapped_module.", "").endswith(suffix)]
+            assert not param.requires_grad, f"{suffix} is trainable; --modify-skipped is for a skipped one"
+            with torch.no_grad():
+                param.mul_(1.5)
+
+
 def _gathered_units(gatherer: Any) -> list[int]:
     """The units of a flat gatherer that run an all-gather (accelerate's FSDP2 wrap has units owning nothing)."""
     if hasattr(gatherer, "_units"):  # FSDP1
@@ -492,7 +521,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.peft:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        targets = args.peft_targets if args.peft_targets == "all-linear" else args.peft_targets.split(",")
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    if args.freeze:
+        for name, p in model.named_parameters():
+            if args.freeze in name:
+                p.requires_grad_(False)
     common = dict(
         output_dir=str(Path(args.out_dir) / "trainer"),
         per_device_train_batch_size=2,
@@ -540,6 +574,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 server_timeout_s=args.sync_timeout,
                 verify=args.verify,
                 check_finite=args.check_finite,
+                delta=not args.no_delta,
                 **({"server_buffer_bytes": args.server_buffer_bytes} if args.server_buffer_bytes else {}),
             )
             trainer = synced(sync_config=sync_config, **kwargs)
@@ -575,6 +610,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         index = len(syncs_started)
         if args.fault or args.tamper_engine:
             faults.arm(trainer, index)
+        _change_the_model(trainer, args, index)
         claims = args.fault and isinstance(checker, EngineChecker)
         before = checker.snapshot() if claims else None
         syncs_started.append(time.perf_counter())

@@ -9,6 +9,7 @@ import torch
 
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 
+from ..delta import EngineGroups
 from ..verify import EngineDigests
 
 __all__ = ["EngineWriter"]
@@ -51,6 +52,10 @@ class EngineWriter(Protocol):
 
     def finish(self) -> None:
         """After a complete push: drop state derived from the old weights (prefix cache)."""
+        ...
+
+    def engine_groups(self) -> EngineGroups:
+        """Which checkpoint tensors the engine loads into one module (for a delta sync: all of a module or none)."""
         ...
 
     def engine_digest_plan(self) -> EngineDigests:

@@ -20,6 +20,7 @@ from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
 from fsdp_sync.compat.engine_api import (
     EngineHandle,
     eager_reload_tensors,
+    quiet_partial_reload,
     engine_handle,
     finalize_failed_reload,
     packed_modules,
@@ -30,6 +31,7 @@ from fsdp_sync.compat.engine_api import (
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 
 from ..errors import EngineState, StreamInterrupted, SyncError
+from ..delta import EngineGroups
 from ..verify import EngineDigests, tensor_bytes
 
 __all__ = ["ColocateWriter", "EnginePushError"]
@@ -83,7 +85,8 @@ class ColocateWriter:
                 yield item
 
         try:
-            self.handle.push(tracked())
+            with quiet_partial_reload():
+                self.handle.push(tracked())
         except Exception as e:
             state = self._state_after_failure(started, eager)
             # The engine's weights changed where layers completed: KV blocks cached from the old ones are stale.
@@ -114,6 +117,10 @@ class ColocateWriter:
 
     def finish(self) -> None:
         reset_prefix_cache(self.handle.llm)
+
+    def engine_groups(self) -> EngineGroups:
+        modules = {name.rpartition(".")[0] for name, _ in self.handle.model.named_parameters()}
+        return EngineGroups(packed_modules(self.handle.model), modules)
 
     def engine_digest_plan(self) -> EngineDigests:
         return EngineDigests(packed_modules(self.handle.model))

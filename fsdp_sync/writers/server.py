@@ -37,6 +37,7 @@ from fsdp_sync.compat.server_api import ServerInfo
 from fsdp_sync.compat.trl_api import ServerAddress
 from ..errors import EngineState, SyncError
 from ..server_client import ServerClient, ServerConfigError, ServerRequestError, ServerUnavailableError
+from ..delta import EngineGroups
 from ..verify import EngineDigests
 
 __all__ = ["SUPPORTED_BACKENDS", "ServerPushError", "ServerTransportError", "ServerWriter", "check_server"]
@@ -374,10 +375,20 @@ class ServerWriter:
             return EngineState("unchanged", note="no weight was sent; the next sync connects again")
         return self.transport.partial_round
 
-    def engine_digest_plan(self) -> EngineDigests:
+    def engine_groups(self) -> EngineGroups:
+        # NOTE: the server's parameter names come with its digests (the only route that lists them); read once per
+        # plan, when the sync sends only what changed.
+        assert self.client is not None
+        modules = {key.rsplit(":", 1)[-1].rpartition(".")[0] for key in self.client.weight_checksums()}
+        return EngineGroups(self._packed(), modules)
+
+    def _packed(self) -> dict[str, list[str]]:
         config = Path(self.checkpoint_dir) / "config.json"
         architectures = json.loads(config.read_text()).get("architectures", []) if config.is_file() else []
-        return EngineDigests(packed_modules_for_architectures(architectures or []))
+        return packed_modules_for_architectures(architectures or [])
+
+    def engine_digest_plan(self) -> EngineDigests:
+        return EngineDigests(self._packed())
 
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         assert self.client is not None

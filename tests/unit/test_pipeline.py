@@ -67,14 +67,17 @@ class FakeGatherer:
         self.yielded: list[tuple[str, torch.Tensor]] = []
         self.iter_calls = 0
         self.exhausted = 0
+        self.selects: list[frozenset[str] | None] = []
+        self.trainable_names: frozenset[str] = frozenset(tensors)
 
     def specs(self) -> dict[str, TensorSpec]:
         return {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in self.tensors.items()}
 
-    def iter_full(self, meter: MemoryMeter) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         self.iter_calls += 1
+        self.selects.append(select)
         for name, tensor in itertools.chain(self.tensors.items(), self.extra.items()):
-            if name in self.omit:
+            if name in self.omit or (select is not None and name not in select):
                 continue
             if self.fail_after is not None and len(self.yielded) == self.fail_after:
                 assert self.failure is not None
@@ -85,6 +88,9 @@ class FakeGatherer:
 
     def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.tensors.items()
+
+    def trainable(self) -> frozenset[str]:
+        return self.trainable_names
 
 
 class FakeWriter:
@@ -441,7 +447,8 @@ def test_report_counts_tensors_and_engine_dtype_bytes() -> None:
 
 
 def test_report_metrics_keys_and_values() -> None:
-    """metrics() gives the five scalar figures under the prefix, in GB where a size, and the failure flag."""
+    """metrics() gives the five scalar figures under the prefix, in GB where a size, the failure flag and what a
+    delta sync skipped."""
     report = SyncReport(
         seconds=0.5,
         bytes=2_000_000_000,
@@ -459,6 +466,8 @@ def test_report_metrics_keys_and_values() -> None:
         "weight_sync/tensors": 7.0,
         "weight_sync/peak_extra_gbytes": 3.0,
         "weight_sync/failed": 0.0,
+        "weight_sync/skipped_tensors": 0.0,
+        "weight_sync/skipped_gbytes": 0.0,
     }
     assert set(report.metrics(prefix="sync.")) == {
         "sync.seconds",
@@ -467,6 +476,8 @@ def test_report_metrics_keys_and_values() -> None:
         "sync.tensors",
         "sync.peak_extra_gbytes",
         "sync.failed",
+        "sync.skipped_tensors",
+        "sync.skipped_gbytes",
     }
 
 

@@ -1,0 +1,164 @@
+"""Delta syncs (`fsdp_sync.delta`, `SyncConfig(delta=True)`): the engine grouping, the fingerprints, and the
+pipeline's choice of what each sync sends, with the fake gatherer and writer of `test_pipeline.py`.
+
+The end-to-end tests (`tests/e2e/test_delta.py`) check the same on the real vLLM CPU engine, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
+from fsdp_sync.delta import DeltaTracker, EngineGroups, fingerprints
+from fsdp_sync.pipeline import WeightSync
+
+from .test_pipeline import EMBED, NORM, Q_PROJ, WRAPPED_EMBED, WRAPPED_NORM, WRAPPED_Q_PROJ, FakeGatherer, FakeWriter
+from .test_pipeline import _manifest_for, _tensors
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def test_engine_groups_follow_the_packed_mapping_and_modules_the_engine_owns_above() -> None:
+    groups = EngineGroups(PACKED, ["model.layers.0.mlp.experts", "model.layers.0.self_attn.qkv_proj"])
+    layer = "model.layers.0"
+    assert groups.group(f"{layer}.self_attn.q_proj.weight") == f"{layer}.self_attn.qkv_proj"
+    assert groups.group(f"{layer}.self_attn.v_proj.bias") == f"{layer}.self_attn.qkv_proj"
+    assert groups.group(f"{layer}.self_attn.o_proj.weight") == f"{layer}.self_attn.o_proj"
+    assert groups.group(f"{layer}.mlp.gate_proj.weight") == f"{layer}.mlp.gate_up_proj"
+    # Fused experts: the engine owns `...mlp.experts`; every expert's tensors go together.
+    assert groups.group(f"{layer}.mlp.experts.3.gate_proj.weight") == f"{layer}.mlp.experts"
+    assert groups.group(f"{layer}.mlp.experts.0.down_proj.weight") == f"{layer}.mlp.experts"
+    assert groups.group("model.embed_tokens.weight") == "model.embed_tokens"
+
+
+def _planned(names: list[str]) -> list[PlannedTensor]:
+    return [PlannedTensor(n, TensorSpec((4, 4), torch.float32), (f"t.{n}",)) for n in names]
+
+
+def test_a_trainable_part_of_a_fused_module_sends_the_whole_module() -> None:
+    """LoRA on q_proj and v_proj only: k_proj and the biases of the same fused qkv_proj are sent too (a layer given
+    part of its weights is processed from what it has); o_proj, the MLP and the norm are skipped and watched."""
+    layer = "model.layers.0"
+    names = [
+        f"{layer}.self_attn.{m}.{leaf}" for m in ("q_proj", "k_proj", "v_proj") for leaf in ("weight", "bias")
+    ] + [f"{layer}.self_attn.o_proj.weight", f"{layer}.mlp.gate_proj.weight", "model.norm.weight"]
+    planned = _planned(names)
+    trainable = frozenset()
+    merge = frozenset({f"{layer}.self_attn.q_proj.weight", f"{layer}.self_attn.v_proj.weight"})
+    tracker = DeltaTracker(planned, trainable, merge, EngineGroups(PACKED, ()))
+    assert tracker.always == frozenset(names[:6])
+    assert tracker.watched == tuple(sorted(f"t.{n}" for n in names[6:]))
+    selection = tracker.select([])
+    assert [t.name for t in selection.tensors] == names[:6]
+    assert [t.name for t in selection.skipped] == names[6:]
+    # A skipped weight found changed is sent with its whole module (gate_proj widens to gate_up_proj: up_proj is
+    # not in this plan, so gate_proj alone).
+    changed = tracker.select([f"t.{layer}.mlp.gate_proj.weight"])
+    assert f"{layer}.mlp.gate_proj.weight" in {t.name for t in changed.tensors}
+    assert changed.changed == (f"t.{layer}.mlp.gate_proj.weight",)
+
+
+def test_fingerprints_see_one_changed_element_and_a_swap() -> None:
+    torch.manual_seed(0)
+    base = torch.randn(1000, dtype=torch.bfloat16)
+    one = base.clone()
+    one[517] = one[517] + 1
+    swapped = base.clone()
+    swapped[[3, 700]] = base[[700, 3]]
+    _, prints = fingerprints([("a", base), ("b", base.clone()), ("c", one), ("d", swapped)])
+    assert torch.equal(prints[0], prints[1])
+    assert not torch.equal(prints[0], prints[2])
+    assert not torch.equal(prints[0], prints[3])
+
+
+class GroupingWriter(FakeWriter):
+    def engine_groups(self) -> EngineGroups:
+        return EngineGroups(PACKED, ())
+
+
+def _delta_sync(gatherer: FakeGatherer, writer: FakeWriter) -> WeightSync:
+    return WeightSync(gatherer, writer, delta=True)
+
+
+def test_first_sync_complete_then_only_the_trainable_weights() -> None:
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
+    writer = GroupingWriter(_manifest_for(tensors))
+    sync = _delta_sync(gatherer, writer)
+    first = sync.sync()
+    assert first.complete and first.skipped_tensors == 0 and first.tensors == 3
+    second = sync.sync()
+    assert not second.complete
+    assert [name for name, _ in writer.received] == [Q_PROJ]
+    assert gatherer.selects[-1] == frozenset({WRAPPED_Q_PROJ}), "only the needed units are gathered"
+    assert second.skipped_tensors == 2 and second.skipped_bytes == (16 * 8 + 8) * 4
+    assert second.bytes < first.bytes
+    assert writer.prepared == tuple(t for t in sync.checked_plan.tensors if t.name == Q_PROJ)  # type: ignore[union-attr]
+
+
+def test_a_skipped_weight_changed_in_place_is_found_sent_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
+    writer = GroupingWriter(_manifest_for(tensors))
+    sync = _delta_sync(gatherer, writer)
+    sync.sync()
+    sync.sync()
+    with torch.no_grad():
+        tensors[WRAPPED_NORM][2] += 1  # behind the optimizer's back
+    with caplog.at_level(logging.WARNING, logger="fsdp_sync.pipeline"):
+        report = sync.sync()
+    assert report.changed_skipped == 1
+    assert sorted(name for name, _ in writer.received) == sorted([Q_PROJ, NORM])
+    assert torch.equal(dict(writer.received)[NORM], tensors[WRAPPED_NORM])
+    assert NORM in caplog.text and "changed since they were last pushed" in caplog.text
+    # Its new value is the reference now: the next sync skips it again.
+    sync.sync()
+    assert [name for name, _ in writer.received] == [Q_PROJ]
+
+
+def test_trainable_set_changed_makes_the_next_sync_complete() -> None:
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
+    writer = GroupingWriter(_manifest_for(tensors))
+    sync = _delta_sync(gatherer, writer)
+    sync.sync()
+    assert not sync.sync().complete
+    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ, WRAPPED_EMBED})  # requires_grad flipped on the embedding
+    report = sync.sync()
+    assert report.complete and report.tensors == 3
+    assert sorted(n for n, _ in writer.received) == sorted([EMBED, Q_PROJ, NORM])
+    again = sync.sync()
+    assert not again.complete and sorted(n for n, _ in writer.received) == sorted([EMBED, Q_PROJ])
+
+
+def test_a_failed_sync_makes_the_next_one_complete() -> None:
+    from fsdp_sync.errors import SyncError
+
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
+    writer = GroupingWriter(_manifest_for(tensors))
+    sync = _delta_sync(gatherer, writer)
+    sync.sync()
+    writer.stop_after = 0
+    with pytest.raises(SyncError):
+        sync.sync()
+    writer.stop_after = None
+    assert sync.sync().complete
+
+
+def test_delta_off_sends_everything_every_time() -> None:
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
+    writer = GroupingWriter(_manifest_for(tensors))
+    sync = WeightSync(gatherer, writer, delta=False)
+    for _ in range(2):
+        assert sync.sync().complete and len(writer.received) == 3
+    assert gatherer.selects == [None, None]
