@@ -166,6 +166,9 @@ class _PlanSource(WeightSource):
     def metadata(self) -> list[ParamMeta]:
         return self._meta
 
+    def announce(self, meta: list[ParamMeta]) -> None:
+        self._meta = meta
+
     def feed(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._stream = stream
 
@@ -280,12 +283,17 @@ class ServerWriter:
             ) from e
 
     def prepare(self, planned: Sequence[PlannedTensor]) -> None:
-        """The announced metadata, in stream order and in the dtype each tensor is sent in."""
+        """The announced metadata, in stream order and in the dtype each tensor is sent in (per plan, and per
+        selection of a delta sync)."""
 
         def wire_dtype(dtype: torch.dtype) -> torch.dtype:
             return self.engine_dtype if (self.engine_dtype is not None and dtype.is_floating_point) else dtype
 
-        self._source = _PlanSource([ParamMeta(t.name, wire_dtype(t.spec.dtype), tuple(t.spec.shape)) for t in planned])
+        meta = [ParamMeta(t.name, wire_dtype(t.spec.dtype), tuple(t.spec.shape)) for t in planned]
+        if self._source is None:
+            self._source = _PlanSource(meta)
+        else:  # the trainer engine holds this source: a new selection (delta sync) changes what it announces
+            self._source.announce(meta)
 
     def _connect(self) -> Any:
         """The handshake with the server (first sync, and the sync after a failed one)."""

@@ -180,3 +180,18 @@ def test_gather_failures_abort_the_server_round_and_the_retry_is_exact(
         checks = r["checks"]
         assert len(checks) == 3 and all(c["direct_problems"] == [] and c["direct_checked"] > 0 for c in checks)
     assert "was aborted by the trainer" in server.log_tail(400_000)
+
+
+def test_lora_delta_syncs_send_less_to_the_server(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
+    """LoRA on q_proj/v_proj in server mode: after the first complete sync, only each layer's fused q/k/v crosses the
+    network (announced as such to the server); every server weight is bit-exact after every sync."""
+    model_dir = checkpoints("qwen2")
+    result = run_grpo(model_dir, tmp_path, "fsdp2", "--peft", "--steps", "3", *_server_args(server.base_url))
+    ranks = assert_synced_every_time(result, "fsdp2", steps=3)
+    for r in ranks:
+        first, *later = r["reports"]
+        assert first["complete"] and first["tensors"] == checkpoint_tensor_count(model_dir)
+        for rep in later:
+            assert not rep["complete"] and rep["tensors"] < first["tensors"] and rep["bytes"] < first["bytes"], rep
+        print(f"server lora delta: {later[0]['tensors']} of {first['tensors']} tensors, "
+              f"{later[0]['bytes']} of {first['bytes']} bytes")  # fmt: skip

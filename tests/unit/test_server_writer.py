@@ -388,3 +388,15 @@ def test_a_backend_that_cannot_abort_gets_placeholders_and_says_so(recording) ->
     _, sent = RecordingEngine.instances[0].rounds[-1]
     assert [name for name, _ in sent] == ["b.weight", "a.index"]
     assert not sent[1][1].any(), "the placeholder is zeros"
+
+
+def test_a_new_selection_is_announced_through_the_source_the_engine_holds(recording) -> None:
+    """A delta sync announces fewer tensors: the transfer engine built at the first sync must see the new metadata
+    (it holds the source object), not a replaced source (regression: 'the weight stream was already consumed')."""
+    sync, _ = recording
+    sync.sync()
+    engine = RecordingEngine.instances[0]
+    first = [m.name for m in engine.source.metadata()]
+    planned = sync.checked_plan.tensors
+    sync.writer.prepare(planned[:1])
+    assert [m.name for m in engine.source.metadata()] == [planned[0].name] != first
