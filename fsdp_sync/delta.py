@@ -10,10 +10,12 @@ each widened to whole engine modules, and skips the rest. Skipping is only worth
   what changed with one small collective, and a changed skipped parameter is sent (and logged by name).
 - **Whole engine modules.** vLLM's layer-wise reload processes a layer once all of its weights arrived; a layer that
   receives part of its weights is processed from what it has at the end of the reload, the rest uninitialised
-  (measured on vLLM 0.32: the v rows of a fused `qkv_proj` after a push of q_proj and k_proj alone). So every
-  checkpoint tensor that vLLM loads into the same module goes together: the engine model's `packed_modules_mapping`
-  says which checkpoint modules one engine module fuses (`qkv_proj: [q_proj, k_proj, v_proj]`), and a module the
-  engine owns above the checkpoint's (a fused-experts module over `experts.<i>.*`) takes everything under it.
+  (measured on vLLM 0.32: the v rows of a fused `qkv_proj` after a push of q_proj and k_proj alone; NaN in a fused
+  MoE layer's `w2_weight` after a push of its experts' gate and up projections alone). So every checkpoint tensor
+  that vLLM loads into the same module goes together: the engine model's `packed_modules_mapping` says which
+  checkpoint modules one engine module fuses (`qkv_proj: [q_proj, k_proj, v_proj]`), and where the engine has no
+  module at a checkpoint module's path, the indexed container it belongs to goes whole (every expert of
+  `...mlp.experts.<i>.*`, which vLLM loads into one fused-experts module).
 - **Complete when in doubt.** The first sync of a sync object, every sync after a failed one, and every sync after
   the trainable set changed (`requires_grad` flipped, adapters switched) are complete again.
 
@@ -81,18 +83,21 @@ class EngineGroups:
         self._modules = frozenset(engine_modules)
 
     def group(self, name: str) -> str:
-        """The engine module a checkpoint tensor is loaded into."""
+        """The engine module a checkpoint tensor is loaded into (its own, after fusing; or, when the engine has no
+        module of that path, the indexed container it belongs to: fused experts, `...mlp.experts` over
+        `...mlp.experts.<i>.gate_proj`, which vLLM loads into one module, e.g. `...mlp.experts.routed_experts`)."""
         module = name.rpartition(".")[0]
         parent, _, last = module.rpartition(".")
         if last in self._fused:
             module = f"{parent}.{self._fused[last]}" if parent else self._fused[last]
-        # A module the engine owns above the checkpoint's own (fused experts: `...mlp.experts` over
-        # `...mlp.experts.<i>.gate_proj`) takes everything under it.
+        if module in self._modules or not self._modules:
+            return module
         segments = module.split(".")
-        for end in range(1, len(segments)):
-            prefix = ".".join(segments[:end])
-            if prefix in self._modules:
-                return prefix
+        for index in range(len(segments) - 1, 0, -1):
+            if segments[index].isdigit():
+                container = ".".join(segments[:index])
+                if any(m.startswith(container + ".") for m in self._modules):
+                    return container
         return module
 
 

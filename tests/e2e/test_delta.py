@@ -85,3 +85,25 @@ def test_frozen_embedding_is_skipped_and_unfreezing_it_makes_the_next_sync_compl
             assert third["complete"] and third["skipped_tensors"] == 0, third
         else:
             assert not third["complete"] and third["skipped_tensors"] == 1, third
+
+
+def test_moe_frozen_experts_skipped_and_a_changed_expert_tensor_sends_the_whole_fused_experts(
+    checkpoints, tmp_path
+) -> None:
+    """Qwen3-MoE with its experts frozen: delta syncs skip them. Before the third sync layer 0's (fused, in
+    transformers 5) gate_up_proj is changed in place: all of that layer's experts are sent, down_proj included,
+    because vLLM loads every expert's gate, up and down into one fused-experts module."""
+    from .helpers import checkpoint_tensor_count
+
+    model_dir = checkpoints("qwen3_moe")
+    result = run_grpo(
+        model_dir, tmp_path, "fsdp2", "--freeze", "mlp.experts", "--steps", str(STEPS),
+        "--modify-skipped", "model.layers.0.mlp.experts.gate_up_proj:2",
+    )  # fmt: skip
+    ranks = assert_synced_every_time(result, "fsdp2", steps=STEPS, dense=False)
+    experts = checkpoint_tensor_count(model_dir) - ranks[0]["reports"][1]["tensors"]
+    for reports in _reports(ranks):
+        first, second, third = reports
+        assert not second["complete"] and second["skipped_tensors"] == experts > 0, second
+        # Layer 0's experts (gate, up and down of every expert) come back; layer 1's stay skipped.
+        assert third["changed_skipped"] == 1 and third["skipped_tensors"] == experts // 2, (second, third)

@@ -21,9 +21,12 @@ from .test_pipeline import _manifest_for, _tensors
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
-def test_engine_groups_follow_the_packed_mapping_and_modules_the_engine_owns_above() -> None:
-    groups = EngineGroups(PACKED, ["model.layers.0.mlp.experts", "model.layers.0.self_attn.qkv_proj"])
+def test_engine_groups_follow_the_packed_mapping_and_the_engines_fused_experts() -> None:
     layer = "model.layers.0"
+    # vLLM 0.32's Qwen3-MoE: the experts' module is `...mlp.experts.routed_experts` (w13_weight, w2_weight).
+    modules = [f"{layer}.mlp.experts.routed_experts", f"{layer}.self_attn.qkv_proj", f"{layer}.self_attn.o_proj",
+               f"{layer}.mlp.gate_up_proj", "model.embed_tokens"]  # fmt: skip
+    groups = EngineGroups(PACKED, modules)
     assert groups.group(f"{layer}.self_attn.q_proj.weight") == f"{layer}.self_attn.qkv_proj"
     assert groups.group(f"{layer}.self_attn.v_proj.bias") == f"{layer}.self_attn.qkv_proj"
     assert groups.group(f"{layer}.self_attn.o_proj.weight") == f"{layer}.self_attn.o_proj"
