@@ -74,6 +74,11 @@ class FusedBuffersWriter:
         for name, tensor in weights:
             self.slots[name].copy_(tensor)
 
+    def engine_groups(self):  # type: ignore[no-untyped-def]
+        from fsdp_sync.delta import EngineGroups
+
+        return EngineGroups(VLLM_PACKED, {name.rpartition(".")[0] for name in self.buffers})
+
     def finish(self) -> None:
         """No cache to reset."""
 

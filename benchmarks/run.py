@@ -3,6 +3,7 @@
     python -m benchmarks.run cpu [--reps 5] [--models qwen2-36m,qwen2-150m]
     python -m benchmarks.run server [--reps 5] [--models qwen2-36m,qwen2-150m]   (starts a vLLM CPU server per model)
     python -m benchmarks.run safety [--reps 5] [--models qwen2-36m,qwen2-150m]   (cost of check_finite and verify)
+    python -m benchmarks.run delta [--reps 5] [--models ...] [--engine cpu|buffers]   (delta vs complete vs TRL LoRA)
     python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU)
     python -m benchmarks.run report [--results benchmarks/results]
 
@@ -80,6 +81,38 @@ def _safety(args: argparse.Namespace) -> None:
         print(f"{r['model']} {r['backend']}: verify (digests both sides) median {seconds[len(seconds) // 2] * 1e3:.1f} ms")
 
 
+def _delta(args: argparse.Namespace) -> None:
+    import os
+
+    import torch
+
+    from fsdp_sync.testing.dist import run_distributed
+    from fsdp_sync.testing.models import build_tiny_checkpoint
+
+    from .delta import delta_table, delta_worker
+    from .shapes import CPU_SHAPES
+
+    rows: list[dict] = []
+    gpu = args.engine == "buffers" and torch.cuda.is_available()
+    world = args.world_size or (torch.cuda.device_count() if gpu else 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            model_dir = str(build_tiny_checkpoint(Path(tmp) / name, CPU_SHAPES[name])) if args.engine == "cpu" else None
+            backend = "nccl" if gpu else "gloo"
+            for rank_rows in run_distributed(delta_worker, name, model_dir, args.reps, args.engine, world_size=world,
+                                             backend=backend):  # fmt: skip
+                rows.extend(rank_rows)
+    engine = "vLLM CPU engine in each rank" if args.engine == "cpu" else "engine-layout buffers"
+    device = torch.cuda.get_device_name(0) if gpu else f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    machine = f"{device}, {world} rank(s), {engine}, torch {torch.__version__}"
+    args.results.mkdir(parents=True, exist_ok=True)
+    kind = f"delta-{args.engine}"
+    (args.results / f"{kind}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    text = f"Machine: {machine}\n\n{delta_table(rows)}\n"
+    (args.results / f"{kind}.md").write_text(text)
+    print(text)
+
+
 def _server(args: argparse.Namespace) -> None:
     import os
 
@@ -135,13 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--models", default="qwen2-36m,qwen2-150m")
     safety = sub.add_parser("safety")
     safety.add_argument("--models", default="qwen2-36m,qwen2-150m")
+    delta = sub.add_parser("delta")
+    delta.add_argument("--models", default="qwen2-36m,qwen2-150m")
+    delta.add_argument("--engine", choices=["cpu", "buffers"], default="cpu")
+    delta.add_argument("--world-size", type=int, default=0)
     gpu = sub.add_parser("gpu")
     gpu.add_argument("--models", default="qwen2-1.5b,qwen2-7b")
     gpu.add_argument("--world-size", type=int, default=0)
     gpu.add_argument("--check", action="store_true", help="verify the engine buffers bit for bit after each method")
     rep = sub.add_parser("report")
     rep.add_argument("--kind", default="cpu")
-    for p in (cpu, server, safety, gpu, rep):
+    for p in (cpu, server, safety, delta, gpu, rep):
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -152,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             _server(args)
         case "safety":
             _safety(args)
+        case "delta":
+            _delta(args)
         case "gpu":
             _gpu(args)
         case "report":

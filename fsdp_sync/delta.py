@@ -19,14 +19,15 @@ each widened to whole engine modules, and skips the rest. Skipping is only worth
 - **Complete when in doubt.** The first sync of a sync object, every sync after a failed one, and every sync after
   the trainable set changed (`requires_grad` flipped, adapters switched) are complete again.
 
-The fingerprint of a tensor is two int64 sums over its raw bits: their plain sum and their sum weighted by position
-(so any change of one element, and any swap of two, changes it), computed in chunks on the tensor's own device.
+The fingerprint of a tensor (`_fingerprint`) is computed where the tensor lives: the CRC-32 of its bytes on the CPU,
+position-weighted integer sums of its bits on an accelerator (no copy to the host).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,34 +39,56 @@ __all__ = ["DeltaTracker", "EngineGroups", "Selection", "fingerprints"]
 
 logger = logging.getLogger(__name__)
 
-_CHUNK = 1 << 22  # elements per fingerprint chunk: bounds the int64 temporaries (32 MiB)
+_PERIOD = 8191  # a prime: positions are weighted by (j mod _PERIOD) and by (j // _PERIOD)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _fingerprint(tensor: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """A fingerprint of the tensor's raw bits, as three int64 values, computed where the tensor lives.
+
+    On the CPU: the CRC-32 of its bytes (zlib; 10 ms for 60 MB measured on the 2-core test machine, against 60-70 ms
+    for one int64 reduction pass there), which detects every change of one element up to 4 bytes wide and any other
+    change but with probability 2^-32. On an accelerator (no copy to the host): three int64 sums over the bits x_j,
+    sum(x_j), sum((j mod P) x_j) and sum((j // P) x_j); two swapped elements i != j leave all three equal only if
+    i = j mod P and i // P = j // P, i.e. never, and any single changed element changes the first. Reductions over a
+    (rows, P) view with int64 accumulation, so no int64 copy of the tensor is made.
+    """
+    return _crc_fingerprint(tensor) if tensor.device.type == "cpu" else _sum_fingerprint(tensor)
+
+
+def _crc_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+    return torch.tensor([zlib.crc32(data), tensor.numel(), 0], dtype=torch.int64)
+
+
+def _sum_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.detach().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     bits = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() or flat.is_complex() else flat
-    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
-    for start in range(0, bits.numel(), _CHUNK):
-        chunk = bits[start : start + _CHUNK].to(torch.int64)
-        total[0] += chunk.sum()
-        # Positions continue across chunks (start + 1 ...): the weights are shifted by the chunk's offset.
-        total[1] += (chunk * weights[: chunk.numel()]).sum() + start * chunk.sum()
-    return total
+    rows = bits.numel() // _PERIOD
+    main, tail = bits[: rows * _PERIOD].view(rows, _PERIOD), bits[rows * _PERIOD :]
+    device = bits.device
+    columns = main.sum(dim=0, dtype=torch.int64)  # per position mod P
+    per_row = main.sum(dim=1, dtype=torch.int64)  # per row (j // P)
+    tail64 = tail.to(torch.int64)
+    return torch.stack(
+        [
+            columns.sum() + tail64.sum(),
+            (columns * torch.arange(_PERIOD, device=device)).sum()
+            + (tail64 * torch.arange(tail64.numel(), device=device)).sum(),
+            (per_row * torch.arange(rows, device=device)).sum() + rows * tail64.sum(),
+        ]
+    )
 
 
 def fingerprints(shards: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.Tensor]]:
-    """Fingerprints of each named tensor (two int64 sums, on the tensor's device), in order."""
+    """Fingerprints of each named tensor (three int64 sums, on the tensor's device), in order."""
     names: list[str] = []
     prints: list[torch.Tensor] = []
-    weights: dict[torch.device, torch.Tensor] = {}
     for name, tensor in shards:
-        if tensor.device not in weights:
-            weights[tensor.device] = torch.arange(1, _CHUNK + 1, dtype=torch.int64, device=tensor.device)
         names.append(name)
-        prints.append(_fingerprint(tensor, weights[tensor.device]))
+        prints.append(_fingerprint(tensor))
     return names, prints
 
 

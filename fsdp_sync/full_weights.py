@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from fsdp_sync.compat.layout import layout_for
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
-from fsdp_sync.compat.names import NameRules
 
+from .assemble import build_sync
 from .backend import Backend, detect_backend, unwrap_outer, user_model
 from .config import SyncConfig
 from .distributed import rank
-from .gather import make_gatherer
-from .peft_merge import PeftMerge
 from .pipeline import WeightSync
 
 __all__ = ["full_module", "full_weights_sync", "iter_full_weights"]
@@ -66,28 +64,11 @@ def full_weights_sync(
     model: nn.Module, *, dtype: torch.dtype | None = None, config: SyncConfig | None = None
 ) -> WeightSync:
     """The sync pipeline that `iter_full_weights` runs, without an engine (its `meter` has the accounted peak)."""
-    backend = detect_backend(model)
     inner = user_model(model)
-    rules = NameRules.for_model(inner)
-    peft = rules.peft
-    gatherer = make_gatherer(
-        model,
-        backend,
-        config or _DEFAULT_CONFIG,
-        engine_dtype=dtype,
-        merge_scopes=(PeftMerge.tuner_layer_type(),) if peft else (),
-    )
     device = next((p.device for p in inner.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    return WeightSync(
-        gatherer,
-        _Iterating(dtype),  # type: ignore[arg-type]
-        rules=rules,
-        layout=layout_for(inner),
-        merge=PeftMerge.for_model(inner, rules) if peft else None,
-        backend=backend.value,
-        check_manifest=False,
-        device=device,
-    )
+    # Nothing is checked against an engine, and every weight is wanted every time.
+    options = replace(config or _DEFAULT_CONFIG, check_manifest=False, delta=False, verify=False, check_finite=False)
+    return build_sync(model, _Iterating(dtype), options, device=device)  # type: ignore[arg-type]
 
 
 def iter_full_weights(

@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fsdp_sync.compat.layout import layout_for
-from fsdp_sync.compat.names import NameRules
 from fsdp_sync.compat.trl_api import (
     MOVE_MODEL_TO_VLLM,
     ServerAddress,
@@ -28,11 +26,10 @@ from fsdp_sync.compat.trl_api import (
     server_address,
 )
 
-from .backend import Backend, detect_backend, user_model
+from .backend import Backend, detect_backend
 from .config import SyncConfig
 from .errors import SyncError
-from .gather import make_gatherer
-from .peft_merge import PeftMerge
+from .assemble import build_sync
 from .pipeline import SyncPlan, WeightSync
 from .report import SyncReport
 from .writers import ColocateWriter, EngineWriter
@@ -148,35 +145,8 @@ class FSDPVLLMSyncMixin:
                 raise ValueError(f"vLLM mode {other!r} is not supported; valid: 'colocate', 'server'")
 
     def _fvs_build(self, model: torch.nn.Module, backend: Backend) -> WeightSync:
-        writer = self._fvs_writer()
         device = self.accelerator.device  # type: ignore[attr-defined]
-        compute_device = device if device.type != "cpu" else None
-        inner = user_model(model)
-        rules = NameRules.for_model(inner)
-        gatherer = make_gatherer(
-            model,
-            backend,
-            self.sync_config,
-            engine_dtype=writer.engine_dtype,
-            compute_device=compute_device,
-            merge_scopes=(PeftMerge.tuner_layer_type(),) if rules.peft else (),
-        )
-        config = self.sync_config
-        return WeightSync(
-            gatherer,
-            writer,
-            rules=rules,
-            layout=layout_for(inner),
-            merge=PeftMerge.for_model(inner, rules) if rules.peft else None,
-            backend=backend.value,
-            check_manifest=config.check_manifest,
-            device=device,
-            timeout_s=config.sync_timeout_s,
-            check_finite=config.check_finite,
-            verify=config.verify,
-            delta=config.delta,
-            delta_check=config.delta_check,
-        )
+        return build_sync(model, self._fvs_writer(), self.sync_config, device=device, backend=backend)
 
     @property
     def engine_is_current(self) -> bool:

@@ -64,17 +64,25 @@ def test_a_trainable_part_of_a_fused_module_sends_the_whole_module() -> None:
     assert changed.changed == (f"t.{layer}.mlp.gate_proj.weight",)
 
 
-def test_fingerprints_see_one_changed_element_and_a_swap() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("size", [1000, 3 * 8191 + 17])  # below and above the sums' period, with a tail
+def test_fingerprints_see_one_changed_element_and_a_swap(dtype: torch.dtype, size: int) -> None:
+    """Both fingerprints (CRC-32 on the CPU; position-weighted int64 sums, used on accelerators, run here on the
+    CPU) change with one changed element and with two swapped ones, and are equal for equal tensors."""
+    from fsdp_sync.delta import _crc_fingerprint, _sum_fingerprint
+
     torch.manual_seed(0)
-    base = torch.randn(1000, dtype=torch.bfloat16)
+    base = torch.randn(size, dtype=dtype)
     one = base.clone()
-    one[517] = one[517] + 1
+    one[size - 5] = one[size - 5] + 1
     swapped = base.clone()
-    swapped[[3, 700]] = base[[700, 3]]
-    _, prints = fingerprints([("a", base), ("b", base.clone()), ("c", one), ("d", swapped)])
-    assert torch.equal(prints[0], prints[1])
-    assert not torch.equal(prints[0], prints[2])
-    assert not torch.equal(prints[0], prints[3])
+    swapped[[3, size - 3]] = base[[size - 3, 3]]
+    for fingerprint in (_crc_fingerprint, _sum_fingerprint):
+        a, b, c, d = (fingerprint(t) for t in (base, base.clone(), one, swapped))
+        assert torch.equal(a, b)
+        assert not torch.equal(a, c) and not torch.equal(a, d), fingerprint.__name__
+    names, prints = fingerprints([("x", base)])
+    assert names == ["x"] and torch.equal(prints[0], _crc_fingerprint(base))
 
 
 class GroupingWriter(FakeWriter):
