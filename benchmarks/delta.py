@@ -49,7 +49,9 @@ def _wrap(peft: torch.nn.Module, backend: str, device: torch.device) -> torch.nn
 def _peft_model(base: torch.nn.Module, targets: Any) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    peft = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
+    # Adapters in the base dtype (FSDP1 flattens one dtype per unit; PEFT would upcast them to fp32).
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0)
+    peft = get_peft_model(base, config, autocast_adapter_dtype=False)
     generator = torch.Generator(device="cpu").manual_seed(0)
     with torch.no_grad():
         for name, p in peft.named_parameters():

@@ -25,6 +25,7 @@ __all__ = [
     "packed_modules",
     "packed_modules_for_architectures",
     "quiet_partial_reload",
+    "refresh_tied_cpu_gemms",
     "reset_prefix_cache",
     "split_worker_digests",
     "trainer_transfer_engine",
@@ -316,3 +317,29 @@ def quiet_partial_reload() -> Iterator[None]:
     finally:
         for log in loggers:
             log.removeFilter(quiet)
+
+
+def refresh_tied_cpu_gemms(model: torch.nn.Module) -> list[str]:
+    """After a reload on vLLM's CPU platform: repack the GEMM of every layer whose weight is tied to another module's
+    (the output head tied to the embedding). Returns the modules repacked.
+
+    Why: vLLM-CPU packs each linear layer's weight for its GEMM when the layer is processed (`cpu_linear`, from
+    `dispatch_cpu_unquantized_gemm`). A tied head is never loaded itself (its checkpoint name is skipped), so the
+    layer-wise reload never processes it: the embedding's new values reach the shared parameter, but the head keeps
+    computing logits from the pack of the old ones (measured on vLLM 0.32 with tied Qwen2: first-token logprobs off by
+    up to 4 after an embedding update, with every parameter bit-exact). `remove_weight=False`: the weight is the
+    embedding's too.
+    """
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    repacked: list[str] = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and owners.get(id(weight), 0) > 1:
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked.append(name)
+    return repacked

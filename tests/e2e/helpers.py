@@ -82,6 +82,7 @@ def assert_synced_every_time(
                 assert c["wrapper"][WRAPPER_FLAG[backend]], c["wrapper"]
             assert c["reference_problems"] == [], c["reference_problems"]
             assert c["direct_problems"] == [], c["direct_problems"]
+            assert c.get("logits_problems", []) == [], c["logits_problems"]
             assert c["direct_checked"] > 0
             if dense:
                 assert c["direct_checked"] == c["engine_weights"], "every engine weight checked directly"
