@@ -174,6 +174,7 @@ class DeltaTracker:
         self.watched = tuple(sorted({s for t in self.tensors if t.name not in self.always for s in t.sources}
                                     - sent_sources))  # fmt: skip
         self._reference: dict[str, torch.Tensor] | None = None
+        self._primed = False
 
     def _widen(self, names: set[str]) -> frozenset[str]:
         """`names` widened to whole engine modules and to every output of the trainer tensors they come from,
@@ -192,12 +193,17 @@ class DeltaTracker:
             result |= grown
 
     @property
-    def has_reference(self) -> bool:
-        return self._reference is not None
+    def primed(self) -> bool:
+        """Whether a complete sync succeeded since this plan was made (or since the last failure)."""
+        return self._primed
+
+    def mark_complete(self) -> None:
+        self._primed = True
 
     def forget(self) -> None:
         """After a failed sync: the next one is complete (the engine may hold anything the failure left)."""
         self._reference = None
+        self._primed = False
 
     def record(self, shards: Iterable[tuple[str, torch.Tensor]], only: Iterable[str] | None = None) -> None:
         """Fingerprint the watched weights (or `only` these) as they were just pushed."""
@@ -210,7 +216,7 @@ class DeltaTracker:
 
     def changed(self, shards: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Watched trainer names whose local shard differs from its fingerprint at the last push (this rank)."""
-        assert self._reference is not None
+        assert self._reference is not None, "record() at the complete sync before checking"
         names, prints = fingerprints(shards)
         if not names:
             return []

@@ -208,7 +208,7 @@ class WeightSync:
             tracker = self._delta = DeltaTracker(plan.tensors, trainable, merge_names, self._groups)
         changed: list[str] = []
         error: Exception | None = None
-        if tracker.has_reference and self.delta_check:
+        if tracker.primed and self.delta_check:
             try:
                 changed = tracker.changed(iter_named(self.gatherer.local_shards(), tracker.watched))
             except Exception as e:
@@ -216,7 +216,7 @@ class WeightSync:
         # NOTE: a stable digest (str hashes differ between processes).
         structure = hashlib.sha256("\n".join(sorted(trainable)).encode()).hexdigest()
         failure = None if error is None else RankFailure(rank(), "check", f"{type(error).__name__}: {error}")
-        state = (structure, tracker.has_reference, changed, failure)
+        state = (structure, tracker.primed, changed, failure)
         states = self.coordinator.exchange(state)
         failures = [s[3] for s in states if s[3] is not None]  # type: ignore[index]
         if failures:
@@ -241,7 +241,11 @@ class WeightSync:
     def _record(self, selection: Selection) -> None:
         """After a successful push: fingerprint what was skipped (complete) or the skipped weights that were sent."""
         tracker = self._delta
-        if tracker is None or not self.delta_check:
+        if tracker is None:
+            return
+        if selection.complete:
+            tracker.mark_complete()
+        if not self.delta_check:
             return
         if selection.complete:
             tracker.record(iter_named(self.gatherer.local_shards(), tracker.watched))
@@ -383,22 +387,21 @@ class WeightSync:
         writer_error: Exception | None = None
         engine: EngineState | None = None
         leftover = 0
+        stream = self._stream(plan, source, counts, failure, digests=digests, expected=selection.gather)
         if self.writer.pushes:
-            stream = self._stream(plan, source, counts, failure, digests=digests, expected=selection.gather)
             try:
                 self.writer.write(stream)
                 engine = EngineState("current")
             except Exception as e:
                 writer_error = e
                 engine = e.engine if isinstance(e, SyncError) and e.engine is not None else EngineState("undefined")
-            else:  # a writer that returned before the end of the stream: what it left is counted
-                try:
-                    leftover = sum(1 for _ in stream)
-                except StreamInterrupted:
-                    pass  # recorded in `failure`
-        else:  # a rank that does not push runs the gathers only; its figures are the selection's
-            counts["tensors"] = len(selection.tensors)
-            counts["bytes"] = nbytes(selection.tensors, self.writer.engine_dtype)
+        # A rank that does not push consumes the stream itself (its figures are then its own); a writer that returned
+        # early leaves the rest, which is counted.
+        if writer_error is None and failure.error is None:
+            try:
+                leftover = sum(1 for _ in stream)
+            except StreamInterrupted:
+                pass  # recorded in `failure`
         try:
             for _ in source:
                 pass

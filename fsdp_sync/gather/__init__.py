@@ -50,8 +50,10 @@ def make_gatherer(
     """
     inner = unwrap_outer(model)
     strategy = config.fsdp1_strategy if backend == Backend.FSDP1 else config.fsdp2_strategy
-    if strategy == "flat" and merge_scopes:
-        logger.info("fsdp-vllm-sync: PEFT model; using the per-unit strategy instead of 'flat' (the merge needs it)")
+    if strategy in ("flat", "param") and merge_scopes:
+        # NOTE: the merge needs each tuner layer's adapters full together with its base weight, and must run no
+        # collective of its own (a rank whose push failed stops merging; the others must not wait on it).
+        logger.info("fsdp-vllm-sync: PEFT model; using the per-unit strategy instead of %r (the merge needs it)", strategy)
         strategy = "unit"
     match backend, strategy:
         case Backend.FSDP1, "unit":

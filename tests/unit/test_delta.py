@@ -173,3 +173,17 @@ def test_delta_off_sends_everything_every_time() -> None:
     for _ in range(2):
         assert sync.sync().complete and len(writer.received) == 3
     assert gatherer.selects == [None, None]
+
+
+def test_without_the_check_the_delta_still_applies_after_the_first_sync() -> None:
+    """delta_check=False: nothing is fingerprinted, and the syncs after the first are still delta syncs (regression:
+    they were all complete)."""
+    tensors = _tensors()
+    gatherer = FakeGatherer(tensors)
+    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
+    writer = GroupingWriter(_manifest_for(tensors))
+    sync = WeightSync(gatherer, writer, delta=True, delta_check=False)
+    assert sync.sync().complete
+    report = sync.sync()
+    assert not report.complete and [name for name, _ in writer.received] == [Q_PROJ]
+    assert report.check_seconds >= 0 and report.changed_skipped == 0
