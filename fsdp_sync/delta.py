@@ -62,10 +62,16 @@ def _crc_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1)
+    flat = tensor.detach().contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    bits = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() or flat.is_complex() else flat
+    raw = flat.view(torch.uint8)
+    # NOTE: summed as 8-byte words where the size allows (native int64 sums, a quarter of the elements of bf16):
+    # a changed element changes its word, and a swap within a word changes the word unless both are equal.
+    if raw.numel() % 8 == 0:
+        bits = raw.view(torch.int64)
+    else:
+        bits = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() or flat.is_complex() else flat
     rows = bits.numel() // _PERIOD
     main, tail = bits[: rows * _PERIOD].view(rows, _PERIOD), bits[rows * _PERIOD :]
     device = bits.device
