@@ -13,7 +13,6 @@ real vLLM CPU engine in each rank (`cpu`), or the engine-layout buffers of the G
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -81,9 +80,7 @@ def _trl_lora(wrapped: torch.nn.Module, push_one: Any, device: torch.device) -> 
 def delta_worker(
     rank: int, world_size: int, model_name: str, model_dir: str | None, reps: int, engine: str
 ) -> list[dict[str, Any]]:
-    from fsdp_sync.assemble import build_sync
     from fsdp_sync.compat.manifest import TensorSpec
-    from fsdp_sync.config import SyncConfig
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if engine == "cpu":
@@ -109,38 +106,58 @@ def delta_worker(
                 writer = FusedBuffersWriter(specs, dtype=torch.bfloat16, device=device)
                 push_one = writer.write
             wrapped = _wrap(_peft_model(base, TARGETS[targets]), backend, device)
-            syncs = {
-                "ours-complete": build_sync(wrapped, writer, SyncConfig(delta=False), device=device),
-                "ours-delta": build_sync(wrapped, writer, SyncConfig(), device=device),
-                "ours-delta-nocheck": build_sync(wrapped, writer, SyncConfig(delta_check=False), device=device),
-            }
-            for sync in syncs.values():
-                sync.sync()  # the first sync of each is complete
-            check_seconds: list[float] = []
-
-            def run(name: str) -> tuple[int, int]:
-                report = syncs[name].sync()
-                if name == "ours-delta":
-                    check_seconds.append(report.check_seconds)
-                return report.tensors, report.bytes
-
-            methods = {name: (lambda n=name: run(n)) for name in syncs}
-            if backend == "fsdp2":
-                methods["trl"] = lambda: _trl_lora(wrapped, push_one, device)
-            for rep in range(reps):
-                order = list(methods)
-                order = order[rep % len(order):] + order[: rep % len(order)]
-                for method in order:
-                    _step(wrapped)
-                    seconds, tensors, nbytes, peak, source = measure(methods[method], device)
-                    row = Measurement(model_name, backend, f"{targets}/{method}", rep, seconds, tensors, nbytes,
-                                      peak, source, world_size, rank).row()  # fmt: skip
-                    rows.append(row)
-            rows.append({"model": model_name, "backend": backend, "method": f"{targets}/check", "rank": rank,
-                         "check_seconds": check_seconds})  # fmt: skip
-            del wrapped, syncs
+            rows += _measure(wrapped, writer, push_one, backend, targets, model_name, reps, rank, world_size, device)
+            del base, wrapped
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    return rows
+
+
+def _measure(
+    wrapped: torch.nn.Module,
+    writer: Any,
+    push_one: Any,
+    backend: str,
+    targets: str,
+    model_name: str,
+    reps: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> list[dict[str, Any]]:
+    """The methods on one wrapped PEFT model, interleaved over `reps` repetitions."""
+    from fsdp_sync.assemble import build_sync
+    from fsdp_sync.config import SyncConfig
+
+    syncs = {
+        "ours-complete": build_sync(wrapped, writer, SyncConfig(delta=False), device=device),
+        "ours-delta": build_sync(wrapped, writer, SyncConfig(), device=device),
+        "ours-delta-nocheck": build_sync(wrapped, writer, SyncConfig(delta_check=False), device=device),
+    }
+    for sync in syncs.values():
+        sync.sync()  # the first sync of each is complete
+    check_seconds: list[float] = []
+
+    def run(name: str) -> tuple[int, int]:
+        report = syncs[name].sync()
+        if name == "ours-delta":
+            check_seconds.append(report.check_seconds)
+        return report.tensors, report.bytes
+
+    methods = {name: (lambda n=name: run(n)) for name in syncs}
+    if backend == "fsdp2":
+        methods["trl"] = lambda: _trl_lora(wrapped, push_one, device)
+    rows: list[dict[str, Any]] = []
+    for rep in range(reps):
+        order = list(methods)
+        order = order[rep % len(order):] + order[: rep % len(order)]
+        for method in order:
+            _step(wrapped)
+            seconds, tensors, nbytes, peak, source = measure(methods[method], device)
+            rows.append(Measurement(model_name, backend, f"{targets}/{method}", rep, seconds, tensors, nbytes, peak,
+                                    source, world_size, rank).row())  # fmt: skip
+    rows.append({"model": model_name, "backend": backend, "method": f"{targets}/check", "rank": rank,
+                 "check_seconds": check_seconds})  # fmt: skip
     return rows
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -39,42 +40,37 @@ def _report(kind: str, out: Path) -> None:
     print(text)
 
 
-def _cpu(args: argparse.Namespace) -> None:
+# The CPU set-up of the colocate benchmarks: 2 gloo ranks, a vLLM CPU engine in each.
+_CPU_MACHINE = f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo ranks, vLLM CPU engine in each rank"
+
+
+def _on_cpu_engines(worker: object, args: argparse.Namespace) -> list[dict]:
+    """`worker(rank, world, model name, checkpoint dir, reps)` on 2 gloo ranks per model shape; every rank's rows."""
     from fsdp_sync.testing.dist import run_distributed
     from fsdp_sync.testing.models import build_tiny_checkpoint
 
-    from .cpu import cpu_worker
     from .shapes import CPU_SHAPES
 
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             model_dir = build_tiny_checkpoint(Path(tmp) / name, CPU_SHAPES[name])
-            for rank_rows in run_distributed(cpu_worker, name, str(model_dir), args.reps, world_size=2, backend="gloo"):
+            for rank_rows in run_distributed(worker, name, str(model_dir), args.reps, world_size=2, backend="gloo"):
                 rows.extend(rank_rows)
-    import os
+    return rows
 
-    machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo ranks, vLLM CPU engine in each rank"
-    _write("cpu", rows, args.results, machine)
+
+def _cpu(args: argparse.Namespace) -> None:
+    from .cpu import cpu_worker
+
+    _write("cpu", _on_cpu_engines(cpu_worker, args), args.results, _CPU_MACHINE)
 
 
 def _safety(args: argparse.Namespace) -> None:
-    import os
-
-    from fsdp_sync.testing.dist import run_distributed
-    from fsdp_sync.testing.models import build_tiny_checkpoint
-
     from .safety import safety_worker
-    from .shapes import CPU_SHAPES
 
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
-            model_dir = build_tiny_checkpoint(Path(tmp) / name, CPU_SHAPES[name])
-            for rank_rows in run_distributed(safety_worker, name, str(model_dir), args.reps, world_size=2, backend="gloo"):
-                rows.extend(rank_rows)
-    machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo ranks, vLLM CPU engine in each rank"
-    _write("safety", [r for r in rows if "seconds" in r], args.results, machine)
+    rows = _on_cpu_engines(safety_worker, args)
+    _write("safety", [r for r in rows if "seconds" in r], args.results, _CPU_MACHINE)
     digests = [r for r in rows if r.get("method") == "verify-digests" and r["rank"] == 0]
     for r in digests:
         seconds = sorted(r["verify_seconds"])

@@ -22,6 +22,7 @@ bounded by the sync's timeout (`SyncConfig.sync_timeout_s`); NCCL's waits are bo
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -215,7 +216,7 @@ class FSDP1FlatGatherer(_FSDP1Base, _FlatBase):
         if not self._units[k][1]:
             return
         full = pending.wait(self._timeout)
-        items = self._latch.run(lambda: self._views(k, full))
+        items = self._latch.run(functools.partial(self._views, k, full))
         del full
         yield from ((name, view) for name, view in items or () if select is None or name in select)
 
@@ -387,7 +388,7 @@ class FSDP2FlatGatherer(_FlatBase):
         visit = self._visits[k]
         outs = [(slot, in_flight.wait(self._timeout)) for slot, in_flight in pending]
         pending.clear()
-        full = self._latch.run(lambda: self._full(k, outs)) or {}
+        full = self._latch.run(functools.partial(self._full, k, outs)) or {}
         del outs
         others = set(visit.others)
         select = self._select

@@ -90,16 +90,17 @@ class GroupingWriter(FakeWriter):
         return EngineGroups(PACKED, ())
 
 
-def _delta_sync(gatherer: FakeGatherer, writer: FakeWriter) -> WeightSync:
-    return WeightSync(gatherer, writer, delta=True)
-
-
-def test_first_sync_complete_then_only_the_trainable_weights() -> None:
+def _q_proj_trained(**options: bool) -> tuple[dict[str, torch.Tensor], FakeGatherer, GroupingWriter, WeightSync]:
+    """The test tensors with only q_proj trainable, behind a delta sync (`options`: WeightSync's)."""
     tensors = _tensors()
     gatherer = FakeGatherer(tensors)
     gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
     writer = GroupingWriter(_manifest_for(tensors))
-    sync = _delta_sync(gatherer, writer)
+    return tensors, gatherer, writer, WeightSync(gatherer, writer, **{"delta": True, **options})
+
+
+def test_first_sync_complete_then_only_the_trainable_weights() -> None:
+    tensors, gatherer, writer, sync = _q_proj_trained()
     first = sync.sync()
     assert first.complete and first.skipped_tensors == 0 and first.tensors == 3
     second = sync.sync()
@@ -112,11 +113,7 @@ def test_first_sync_complete_then_only_the_trainable_weights() -> None:
 
 
 def test_a_skipped_weight_changed_in_place_is_found_sent_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    tensors = _tensors()
-    gatherer = FakeGatherer(tensors)
-    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
-    writer = GroupingWriter(_manifest_for(tensors))
-    sync = _delta_sync(gatherer, writer)
+    tensors, gatherer, writer, sync = _q_proj_trained()
     sync.sync()
     sync.sync()
     with torch.no_grad():
@@ -133,11 +130,7 @@ def test_a_skipped_weight_changed_in_place_is_found_sent_and_logged(caplog: pyte
 
 
 def test_trainable_set_changed_makes_the_next_sync_complete() -> None:
-    tensors = _tensors()
-    gatherer = FakeGatherer(tensors)
-    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
-    writer = GroupingWriter(_manifest_for(tensors))
-    sync = _delta_sync(gatherer, writer)
+    tensors, gatherer, writer, sync = _q_proj_trained()
     sync.sync()
     assert not sync.sync().complete
     gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ, WRAPPED_EMBED})  # requires_grad flipped on the embedding
@@ -151,11 +144,7 @@ def test_trainable_set_changed_makes_the_next_sync_complete() -> None:
 def test_a_failed_sync_makes_the_next_one_complete() -> None:
     from fsdp_sync.errors import SyncError
 
-    tensors = _tensors()
-    gatherer = FakeGatherer(tensors)
-    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
-    writer = GroupingWriter(_manifest_for(tensors))
-    sync = _delta_sync(gatherer, writer)
+    tensors, gatherer, writer, sync = _q_proj_trained()
     sync.sync()
     writer.stop_after = 0
     with pytest.raises(SyncError):
@@ -165,11 +154,7 @@ def test_a_failed_sync_makes_the_next_one_complete() -> None:
 
 
 def test_delta_off_sends_everything_every_time() -> None:
-    tensors = _tensors()
-    gatherer = FakeGatherer(tensors)
-    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
-    writer = GroupingWriter(_manifest_for(tensors))
-    sync = WeightSync(gatherer, writer, delta=False)
+    _, gatherer, writer, sync = _q_proj_trained(delta=False)
     for _ in range(2):
         assert sync.sync().complete and len(writer.received) == 3
     assert gatherer.selects == [None, None]
@@ -178,11 +163,7 @@ def test_delta_off_sends_everything_every_time() -> None:
 def test_without_the_check_the_delta_still_applies_after_the_first_sync() -> None:
     """delta_check=False: nothing is fingerprinted, and the syncs after the first are still delta syncs (regression:
     they were all complete)."""
-    tensors = _tensors()
-    gatherer = FakeGatherer(tensors)
-    gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
-    writer = GroupingWriter(_manifest_for(tensors))
-    sync = WeightSync(gatherer, writer, delta=True, delta_check=False)
+    _, gatherer, writer, sync = _q_proj_trained(delta_check=False)
     assert sync.sync().complete
     report = sync.sync()
     assert not report.complete and [name for name, _ in writer.received] == [Q_PROJ]
