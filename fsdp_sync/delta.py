@@ -28,14 +28,14 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fsdp_sync.compat.manifest import PlannedTensor
 
-__all__ = ["DeltaTracker", "EngineGroups", "Selection", "fingerprints"]
+__all__ = ["DeltaTracker", "EngineGroups", "Selection", "fingerprints", "nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +74,28 @@ def _sum_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
         bits = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() or flat.is_complex() else flat
     rows = bits.numel() // _PERIOD
     main, tail = bits[: rows * _PERIOD].view(rows, _PERIOD), bits[rows * _PERIOD :]
-    device = bits.device
+    positions = _positions(bits.device, max(_PERIOD, rows))
     columns = main.sum(dim=0, dtype=torch.int64)  # per position mod P
     per_row = main.sum(dim=1, dtype=torch.int64)  # per row (j // P)
     tail64 = tail.to(torch.int64)
     return torch.stack(
         [
             columns.sum() + tail64.sum(),
-            (columns * torch.arange(_PERIOD, device=device)).sum()
-            + (tail64 * torch.arange(tail64.numel(), device=device)).sum(),
-            (per_row * torch.arange(rows, device=device)).sum() + rows * tail64.sum(),
+            (columns * positions[:_PERIOD]).sum() + (tail64 * positions[: tail64.numel()]).sum(),
+            (per_row * positions[:rows]).sum() + rows * tail64.sum(),
         ]
     )
+
+
+_POSITIONS: dict[torch.device, torch.Tensor] = {}
+
+
+def _positions(device: torch.device, n: int) -> torch.Tensor:
+    """0, 1, 2, ... (int64) on `device`, at least `n` long; kept between calls."""
+    cached = _POSITIONS.get(device)
+    if cached is None or cached.numel() < n:
+        cached = _POSITIONS[device] = torch.arange(max(n, 2 * _PERIOD), dtype=torch.int64, device=device)
+    return cached
 
 
 def fingerprints(shards: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.Tensor]]:
@@ -242,12 +252,6 @@ class DeltaTracker:
 
     def complete(self) -> Selection:
         return Selection(True, None, self.tensors)
-
-
-def iter_named(shards: Iterator[tuple[str, torch.Tensor]], names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The shards of the given names only."""
-    wanted = set(names)
-    return ((n, t) for n, t in shards if n in wanted)
 
 
 def nbytes(tensors: Iterable[PlannedTensor], engine_dtype: torch.dtype | None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +19,7 @@ from fsdp_sync.compat.layout import IdentityLayout, Layout
 from fsdp_sync.compat.manifest import ManifestError, PlannedTensor, TensorSpec, check_plan
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 
-from .delta import DeltaTracker, EngineGroups, Selection, iter_named, nbytes
+from .delta import DeltaTracker, EngineGroups, Selection, nbytes
 from .distributed import Coordinator, rank
 from .errors import (
     EngineState,
@@ -210,7 +210,7 @@ class WeightSync:
         error: Exception | None = None
         if tracker.primed and self.delta_check:
             try:
-                changed = tracker.changed(iter_named(self.gatherer.local_shards(), tracker.watched))
+                changed = tracker.changed(self._shards(tracker.watched))
             except Exception as e:
                 error = e
         # NOTE: a stable digest (str hashes differ between processes).
@@ -238,6 +238,10 @@ class WeightSync:
             )
         return tracker.select(union), seconds
 
+    def _shards(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's shards of the named trainer parameters."""
+        return self.gatherer.local_shards(names)
+
     def _record(self, selection: Selection) -> None:
         """After a successful push: fingerprint what was skipped (complete) or the skipped weights that were sent."""
         tracker = self._delta
@@ -247,10 +251,14 @@ class WeightSync:
             tracker.mark_complete()
         if not self.delta_check:
             return
-        if selection.complete:
-            tracker.record(iter_named(self.gatherer.local_shards(), tracker.watched))
-        elif selection.changed:
-            tracker.record(iter_named(self.gatherer.local_shards(), selection.changed), only=selection.changed)
+        try:
+            if selection.complete:
+                tracker.record(self._shards(tracker.watched))
+            elif selection.changed:
+                tracker.record(self._shards(selection.changed), only=selection.changed)
+        except Exception as e:  # local work: the next sync's agreement sees this rank unprimed, and all go complete
+            logger.warning("weight sync: could not fingerprint the skipped weights (%s); the next sync is complete", e)
+            tracker.forget()
 
     def _check_finite(self, plan: SyncPlan) -> None:
         """Before anything is gathered: every rank looks for NaN/Inf in its own shards (no gather); the ranks agree,

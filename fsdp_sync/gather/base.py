@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, TypeVar
 
 import torch
@@ -47,9 +47,10 @@ class Gatherer(Protocol):
         """Trainer names of the parameters that can change between syncs (`requires_grad`), without a collective."""
         ...
 
-    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's own part of every parameter, by the trainer names of `specs`, without any collective (empty
-        where the rank holds none of it); for checks that need no gather (`SyncConfig.check_finite`)."""
+    def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's own part of every parameter (or of those named), by the trainer names of `specs`, without any
+        collective (empty where the rank holds none of it); for checks that need no gather (`check_finite`, the
+        delta check)."""
         ...
 
 

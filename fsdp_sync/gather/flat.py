@@ -25,7 +25,7 @@ import datetime
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -326,8 +326,8 @@ class FSDP2FlatGatherer(_FlatBase):
     def specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
 
-    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return fsdp2_local_shards(self.model, self._specs)
+    def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return fsdp2_local_shards(self.model, self._specs if names is None else names)
 
     @torch.no_grad()
     def _local(self, slot: _Slot) -> torch.Tensor:

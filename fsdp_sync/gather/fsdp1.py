@@ -14,7 +14,7 @@ summoning one unit at a time is what FSDP expects, before or after the first for
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import reduce
 
 import torch
@@ -120,10 +120,11 @@ class _FSDP1Base:
         names.update(name for name, p in self._ignored if p.requires_grad)
         return frozenset(names)
 
-    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         # NOTE: each original parameter's slice of the local flat shard is in the flat parameter's
         # `_shard_param_infos` (aligned with `_fqns`; unchanged since torch 2.0), the metadata FSDP's own sharded
         # state dict uses.
+        wanted = None if names is None else frozenset(names)
         for visit in self._visits:
             for unit, params in visit:
                 flat = unit._flat_param
@@ -131,12 +132,13 @@ class _FSDP1Base:
                     continue
                 local = flat.detach()
                 for (name, _, _), info in zip(params, flat._shard_param_infos, strict=True):
+                    if wanted is not None and name not in wanted:
+                        continue
                     if info.in_shard:
                         yield name, local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
                     else:
                         yield name, local[:0]
-        yield from self._iter_ignored()
-
+        yield from self._iter_ignored(wanted)
 
 
 def _visit_bytes(visit: list[tuple[FSDP, list[tuple[str, str, TensorSpec]]]]) -> int:

@@ -54,13 +54,19 @@ def _full_tensor(param: torch.Tensor, compute_device: torch.device | None, meter
 
 def fsdp2_trainable(model: nn.Module, names: Iterable[str]) -> frozenset[str]:
     """The named parameters with `requires_grad` (a DTensor carries its parameter's flag)."""
-    return frozenset(name for name in names if model.get_parameter(name).requires_grad)
+    wanted = set(names)
+    return frozenset(name for name, p in model.named_parameters() if name in wanted and p.requires_grad)
 
 
 def fsdp2_local_shards(model: nn.Module, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's local shard of each named parameter (plain tensors as they are); no collective."""
+    """This rank's local shard of each named parameter (plain tensors as they are); no collective.
+
+    NOTE: one walk of the module tree (`named_parameters`), not one `get_parameter` per name: measured on the H200
+    at 7B shapes, 900 lookups cost 31 ms, a third of the delta check.
+    """
+    params = dict(model.named_parameters())
     for name in names:
-        param = model.get_parameter(name)
+        param = params[name]
         yield name, (param.to_local() if isinstance(param, DTensor) else param).detach()
 
 
@@ -88,8 +94,8 @@ class FSDP2ParamGatherer:
             if select is None or name in select:
                 yield name, _full_tensor(param, self.compute_device, meter)
 
-    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return fsdp2_local_shards(self.model, self.specs())
+    def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return fsdp2_local_shards(self.model, self.specs() if names is None else names)
 
     def trainable(self) -> frozenset[str]:
         return fsdp2_trainable(self.model, self.specs())
@@ -147,8 +153,8 @@ class FSDP2UnitGatherer:
     def specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
 
-    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return fsdp2_local_shards(self.model, self._specs)
+    def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return fsdp2_local_shards(self.model, self._specs if names is None else names)
 
     def trainable(self) -> frozenset[str]:
         return fsdp2_trainable(self.model, self._specs)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -38,5 +38,5 @@ class PlainGatherer:
     def trainable(self) -> frozenset[str]:
         return frozenset(name for name, p in self.model.named_parameters() if p.requires_grad)
 
-    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.iter_full(MemoryMeter(torch.device("cpu")))
+    def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.iter_full(MemoryMeter(torch.device("cpu")), None if names is None else frozenset(names))

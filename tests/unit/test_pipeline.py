@@ -86,8 +86,8 @@ class FakeGatherer:
             yield name, tensor
         self.exhausted += 1
 
-    def local_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.tensors.items()
+    def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ((n, t) for n, t in self.tensors.items() if names is None or n in set(names))
 
     def trainable(self) -> frozenset[str]:
         return self.trainable_names
