@@ -22,6 +22,7 @@ __all__ = [
     "engine_handle",
     "eager_reload_tensors",
     "finalize_failed_reload",
+    "keep_moe_experts_processed_on_reload",
     "packed_modules",
     "packed_modules_for_architectures",
     "quiet_partial_reload",
@@ -195,6 +196,7 @@ def engine_handle(llm: Any) -> EngineHandle:
 
         kind = "reload_weights"
         layerwise = _has_layerwise_reload()
+        keep_moe_experts_processed_on_reload(model)
     elif hasattr(model, "load_weights"):
 
         def push(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -343,3 +345,65 @@ def refresh_tied_cpu_gemms(model: torch.nn.Module) -> list[str]:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             repacked.append(name)
     return repacked
+
+
+def keep_moe_experts_processed_on_reload(model: torch.nn.Module) -> list[str]:
+    """Make every reload of a mixture-of-experts layer end in the layout its experts kernel computes with, as the
+    first load does. Idempotent; returns the layers changed by this call.
+
+    Why: vLLM 0.32's `UnquantizedFusedMoEMethod._setup_kernel` runs the experts kernel's own post-load step
+    (`FusedMoEExperts.process_weights_after_loading`) only when it builds the kernel, not on a weight update. On the
+    CPU platform that step prepacks `w13_weight`/`w2_weight` for `cpu_fused_moe`, so after a reload the experts hold
+    plain weights that the kernel reads as packed ones: every engine parameter equals what was sent, and the model
+    computes something else (measured on vLLM 0.32 with a tiny Qwen3-MoE: first-token logprobs off by 0.07 after
+    reloading unchanged experts, by 1.0 after a change; a fresh engine from the same weights agrees with the trainer).
+
+    What: each such layer's quant method gets an instance wrapper that, on a weight update of a kernel whose experts
+    class has a post-load step, runs that step after vLLM's own processing, unless vLLM ran it itself (a fixed
+    vLLM) or rebuilt the kernel; the layer-wise reload then copies the result into the kernel's storage. Only the
+    unquantized method is wrapped: its update path is the one read here; quantized methods process differently.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # a vLLM without the modular MoE kernels
+        return []
+    changed: list[str] = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or "process_weights_after_loading" in vars(method):
+            continue
+        method.process_weights_after_loading = _experts_step_on_update(method, FusedMoEExperts)
+        changed.append(name)
+    return changed
+
+
+def _experts_step_on_update(method: Any, base: type) -> Callable[[torch.nn.Module], None]:
+    """`method.process_weights_after_loading`, followed on a weight update by the experts kernel's own step (see
+    `keep_moe_experts_processed_on_reload`); `base` is the class whose no-op step means there is none."""
+    original = method.process_weights_after_loading  # the bound class method
+
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        kernel = getattr(method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        step = getattr(type(experts), "process_weights_after_loading", None)
+        if experts is None or step is base.process_weights_after_loading:  # no kernel yet, or no step of its own
+            original(layer)
+            return
+        ran = False
+        class_step = experts.process_weights_after_loading
+
+        def counted(target: torch.nn.Module) -> None:
+            nonlocal ran
+            ran = True
+            class_step(target)
+
+        experts.process_weights_after_loading = counted
+        try:
+            original(layer)
+        finally:
+            del experts.process_weights_after_loading
+        if not ran and getattr(method, "moe_kernel", None) is kernel:
+            experts.process_weights_after_loading(layer)
+
+    return process_weights_after_loading

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "STAGES",
     "EngineState",
     "NonFiniteWeightsError",
     "RankFailure",
@@ -22,18 +21,15 @@ __all__ = [
     "VerifyError",
 ]
 
-# Where a sync can fail, in the order it runs them. "plan": names and manifest (before anything is gathered);
-# "check": the non-finite check of the local shards; "gather": this rank's part of the all-gathers; "map", "merge",
-# "convert", "cast": turning a gathered tensor into the engine's; "push": the engine or the transport; "verify": the
-# optional read-back of the engine's digests.
-STAGES = ("plan", "check", "gather", "map", "merge", "convert", "cast", "push", "verify")
-
-
 @dataclass(frozen=True)
 class RankFailure:
     """What failed on one rank: the stage and the error, as text (it travels between ranks).
 
     Attributes:
+        stage: where, in the order a sync runs them: `plan` (names and manifest, before anything is gathered),
+            `check` (the non-finite or delta check of the local shards), `gather` (this rank's part of the
+            all-gathers), `map`, `merge`, `convert`, `cast` (turning a gathered tensor into the engine's), `push`
+            (the engine or the transport), `verify` (the optional read-back of the engine's digests).
         undefined: checkpoint tensors whose all-gather this rank joined with placeholder data (its own shard could
             not be prepared): every other rank received undefined values for them.
     """

@@ -212,8 +212,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        from fsdp_sync.compat.engine_api import eager_reload_tensors
+        from fsdp_sync.compat.engine_api import eager_reload_tensors, keep_moe_experts_processed_on_reload
 
+        keep_moe_experts_processed_on_reload(self.model)
         initialize_layerwise_reload(self.model)
         # What the reload writes in place as it arrives (biases), for a round that ends part-way.
         self._eager = eager_reload_tensors(self.model)
