@@ -110,10 +110,16 @@ def _ties_embeddings(directory: Path) -> bool:
     try:
         from transformers import AutoConfig
 
-        # NOTE: transformers knows each class's default (True for Qwen2, False for Llama) and where VLMs keep it.
-        return bool(AutoConfig.from_pretrained(str(directory)).get_text_config().tie_word_embeddings)
+        config = AutoConfig.from_pretrained(str(directory))
     except (ImportError, ValueError, KeyError):  # no transformers, or a model type it does not know
         return tied_word_embeddings(json.loads(config_path.read_text()))
+    # NOTE: transformers knows each class's default (True for Qwen2, False for Llama). It ties by the model's own
+    # (top-level) config; a VLM's text sub-config may not have the attribute at all (Qwen2VLTextConfig, 5.19).
+    for candidate in (config, config.get_text_config()):
+        value = getattr(candidate, "tie_word_embeddings", None)
+        if value is not None:
+            return bool(value)
+    return False
 
 
 def tied_word_embeddings(config: dict) -> bool:

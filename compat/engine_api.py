@@ -19,7 +19,10 @@ import torch
 
 __all__ = [
     "EngineHandle",
+    "EngineNameMapper",
     "engine_handle",
+    "engine_model_class",
+    "engine_name_mapper",
     "eager_reload_tensors",
     "finalize_failed_reload",
     "keep_moe_experts_processed_on_reload",
@@ -256,13 +259,23 @@ def trainer_transfer_engine(backend: str) -> type:
 
 def packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
     """The engine model's fused modules (`qkv_proj: [q_proj, k_proj, v_proj]`, ...): the checkpoint modules each
-    engine parameter concatenates, in order (vLLM's `packed_modules_mapping`, a class attribute of its models)."""
-    return {k: list(v) for k, v in (getattr(type(model), "packed_modules_mapping", None) or {}).items()}
+    engine parameter concatenates, in order.
+
+    Through vLLM's own `get_packed_modules_mapping`, which also reads the model's main components: a
+    vision-language model (Qwen2-VL) declares no mapping itself, its language model does.
+    """
+    try:
+        from vllm.model_executor.utils import get_packed_modules_mapping
+    except ImportError:  # older vLLM: the class attribute only
+        mapping = getattr(type(model), "packed_modules_mapping", None) or {}
+    else:
+        mapping = get_packed_modules_mapping(model)
+    return {k: list(v) for k, v in mapping.items()}
 
 
-def packed_modules_for_architectures(architectures: list[str]) -> dict[str, list[str]]:
-    """`packed_modules` of the vLLM model class that serves a checkpoint's `architectures` (server mode, where the
-    model object lives in another process); empty when vLLM has no class for it.
+def engine_model_class(architectures: list[str]) -> type | None:
+    """The vLLM model class that serves a checkpoint's `architectures` (server mode, where the model object lives in
+    another process); None when vLLM has no class for it.
 
     NOTE: `ModelRegistry._try_load_model_cls` is private; it is the registry's lookup without a model config, and
     the one vLLM's own tooling uses for the same purpose.
@@ -272,8 +285,34 @@ def packed_modules_for_architectures(architectures: list[str]) -> dict[str, list
     for arch in architectures:
         cls = ModelRegistry._try_load_model_cls(arch)
         if cls is not None:
-            return {k: list(v) for k, v in (getattr(cls, "packed_modules_mapping", None) or {}).items()}
-    return {}
+            return cls
+    return None
+
+
+def packed_modules_for_architectures(architectures: list[str]) -> dict[str, list[str]]:
+    """`packed_modules` from the model class alone (server mode). Only what the class declares: the mapping of its
+    components needs the model object (empty for Qwen2-VL; callers fall back to whole parent modules)."""
+    cls = engine_model_class(architectures)
+    return {k: list(v) for k, v in (getattr(cls, "packed_modules_mapping", None) or {}).items()}
+
+
+class EngineNameMapper:
+    """Checkpoint tensor name -> the name vLLM loads it under, by the model's own `hf_to_vllm_mapper` (names the
+    mapper drops stay as they are). A class, not a closure: the engine grouping that holds it is sent between ranks.
+    """
+
+    def __init__(self, mapper: Any) -> None:
+        self.mapper = mapper
+
+    def __call__(self, name: str) -> str:
+        return self.mapper.map_name(name) or name
+
+
+def engine_name_mapper(model_or_class: Any) -> EngineNameMapper | None:
+    """The `EngineNameMapper` of an engine model or model class (vision-language models move the language model:
+    `model.layers.0...` -> `language_model.model.layers.0...`); None when the model renames nothing."""
+    mapper = getattr(model_or_class, "hf_to_vllm_mapper", None)
+    return EngineNameMapper(mapper) if hasattr(mapper, "map_name") else None
 
 
 def split_worker_digests(checksums: dict[str, str]) -> tuple[list[dict[str, str]], bool]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,29 +115,43 @@ class EngineGroups:
         packed: the engine model's `packed_modules_mapping` (engine module -> the checkpoint modules it fuses).
         engine_modules: paths of the engine modules that own parameters (colocate: from the engine model; server:
             from the server's parameter names).
+        to_engine: checkpoint tensor name -> the name vLLM loads it under (the model's weights mapper; None: same).
     """
 
-    def __init__(self, packed: Mapping[str, Sequence[str]], engine_modules: Iterable[str]) -> None:
+    def __init__(
+        self,
+        packed: Mapping[str, Sequence[str]],
+        engine_modules: Iterable[str],
+        to_engine: Callable[[str], str] | None = None,
+    ) -> None:
         self._fused = {part: fused for fused, parts in packed.items() for part in parts}
         self._modules = frozenset(engine_modules)
+        self._to_engine = to_engine
 
     def group(self, name: str) -> str:
-        """The engine module a checkpoint tensor is loaded into (its own, after fusing; or, when the engine has no
-        module of that path, the indexed container it belongs to: fused experts, `...mlp.experts` over
-        `...mlp.experts.<i>.gate_proj`, which vLLM loads into one module, e.g. `...mlp.experts.routed_experts`)."""
-        module = name.rpartition(".")[0]
+        """The engine module a checkpoint tensor is loaded into: its own, after renaming and fusing; where the
+        engine has no module of that path, its parent module when the engine has modules under it (a fused module
+        the mapping does not name is a sibling of its parts), else the indexed container it belongs to (fused
+        experts: `...mlp.experts` over `...mlp.experts.<i>.gate_proj`, which vLLM loads into one module, e.g.
+        `...mlp.experts.routed_experts`)."""
+        module = (self._to_engine(name) if self._to_engine else name).rpartition(".")[0]
         parent, _, last = module.rpartition(".")
         if last in self._fused:
             module = f"{parent}.{self._fused[last]}" if parent else self._fused[last]
         if module in self._modules or not self._modules:
             return module
+        if parent and self._has_modules_under(parent):
+            return parent
         segments = module.split(".")
         for index in range(len(segments) - 1, 0, -1):
             if segments[index].isdigit():
                 container = ".".join(segments[:index])
-                if any(m.startswith(container + ".") for m in self._modules):
+                if self._has_modules_under(container):
                     return container
         return module
+
+    def _has_modules_under(self, prefix: str) -> bool:
+        return any(m.startswith(prefix + ".") for m in self._modules)
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import pickle
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .errors import RankFailure, SyncTimeoutError
+from .errors import RankFailure, SyncError, SyncTimeoutError
 
 __all__ = ["Coordinator", "distributed", "rank", "world_size"]
 
@@ -65,6 +67,13 @@ def _destroy_control_groups() -> None:
     _GROUPS.clear()
 
 
+@dataclass(frozen=True)
+class _Unsendable:
+    """Sent in place of an item that could not be pickled."""
+
+    reason: str
+
+
 class Coordinator:
     """Agrees with every rank on whether a stage of the sync failed, within `timeout_s`.
 
@@ -80,10 +89,20 @@ class Coordinator:
         self._broken: str | None = None
 
     def exchange(self, item: object) -> list[object]:
-        """Every rank's `item`, on every rank, in rank order (bounded like `agree`; a small object per rank)."""
+        """Every rank's `item`, on every rank, in rank order (bounded like `agree`; a small object per rank).
+
+        Raises:
+            SyncError: on every rank, when a rank's item cannot be pickled (that rank still takes part, so no rank
+                waits for one that left).
+            SyncTimeoutError: as `agree`.
+        """
         if self.group is None:
             return [item]
         self._check_usable()
+        try:
+            pickle.dumps(item)
+        except Exception as e:  # noqa: BLE001 - any pickling error: the other ranks must still get an answer
+            item = _Unsendable(f"{type(item).__name__} cannot be pickled ({type(e).__name__}: {e})")
         try:
             timeout = datetime.timedelta(seconds=self.timeout_s)
             dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
@@ -91,6 +110,12 @@ class Coordinator:
             dist.all_gather_object(gathered, item, group=self.group)
         except RuntimeError as e:
             raise self._timed_out(e, None) from e
+        unsendable = [f"rank {r}: {g.reason}" for r, g in enumerate(gathered) if isinstance(g, _Unsendable)]
+        if unsendable:
+            raise SyncError(
+                f"The ranks could not exchange what this weight sync agrees on ({'; '.join(unsendable)}). This is a "
+                "bug in fsdp-vllm-sync or in an object it was given; please report it with this message."
+            )
         return gathered
 
     def broadcast(self, item: object) -> object:

@@ -54,7 +54,7 @@ class SyncPlan:
 
     Attributes:
         tensors: the tensors pushed, by checkpoint name, with full specs and trainer sources.
-        targets: trainer name -> checkpoint name, for every trainer parameter that is sent.
+        targets: trainer name -> canonical name (before the layout conversion), for every trainer parameter sent.
         dropped: trainer parameters not sent on purpose, with the reason.
     """
 
@@ -205,7 +205,12 @@ class WeightSync:
         if tracker is None or tracker.trainable != trainable:  # new, or the trainable set changed: complete first
             assert self._groups is not None
             merge_names = self.merge.names if self.merge is not None else frozenset()
-            tracker = self._delta = DeltaTracker(plan.tensors, trainable, merge_names, self._groups)
+            # NOTE: merge targets are the model's own names, the tracker's are checkpoint names; they differ where
+            # transformers converts the layout at load (VLMs: `model.language_model.*` is `model.*` on disk).
+            merged = frozenset(
+                t.name for t in plan.tensors if any(plan.targets.get(s) in merge_names for s in t.sources)
+            )
+            tracker = self._delta = DeltaTracker(plan.tensors, trainable, merged, self._groups)
         changed: list[str] = []
         error: Exception | None = None
         if tracker.primed and self.delta_check:

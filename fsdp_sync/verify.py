@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -91,9 +91,11 @@ class EngineDigests:
 
     Args:
         packed: the engine model's `packed_modules_mapping` (engine module -> checkpoint modules fused into it).
+        to_engine: checkpoint tensor name -> the name vLLM loads it under (the model's weights mapper; None: same).
     """
 
-    def __init__(self, packed: Mapping[str, Sequence[str]]) -> None:
+    def __init__(self, packed: Mapping[str, Sequence[str]], to_engine: Callable[[str], str] | None = None) -> None:
+        self._to_engine = to_engine
         self._part_of = {part: (fused, i, len(parts)) for fused, parts in packed.items() for i, part in enumerate(parts)}
         self._entries: dict[str, _Fused] = {}
         self.seconds = 0.0
@@ -104,6 +106,7 @@ class EngineDigests:
 
     def engine_name(self, name: str) -> tuple[str, int, int]:
         """(engine parameter, index of this part, number of parts) for a sent checkpoint tensor."""
+        name = self._to_engine(name) if self._to_engine else name
         module, _, leaf = name.rpartition(".")
         parent, _, last = module.rpartition(".")
         if last in self._part_of:

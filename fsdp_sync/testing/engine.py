@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "by_engine_name",
     "compare_states",
     "digest_check",
     "expected_engine_tensor",
@@ -113,6 +114,14 @@ def compare_states(got: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
             diff = (a.float() - b.float()).abs().max().item()
             problems.append(f"{name}: values differ (max abs diff {diff:.3g})")
     return problems
+
+
+def by_engine_name(
+    checkpoint: dict[str, torch.Tensor], to_engine: Callable[[str], str] | None
+) -> dict[str, torch.Tensor]:
+    """`checkpoint` keyed by the names vLLM loads its tensors under (the model's weights mapper; vision-language
+    models move the language model under `language_model.`), before fusing."""
+    return dict(checkpoint) if to_engine is None else {to_engine(n): t for n, t in checkpoint.items()}
 
 
 def expected_engine_tensor(

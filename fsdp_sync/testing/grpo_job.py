@@ -163,9 +163,8 @@ def full_reference_model(trainer: Any, peft_config: Any) -> tuple[Any, float | N
     """
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
-
     from fsdp_sync.backend import unwrap_outer
+    from fsdp_sync.testing.models import auto_model_class
 
     wrapped = trainer.model_wrapped
     state = get_model_state_dict(unwrap_outer(wrapped), options=StateDictOptions(full_state_dict=True))
@@ -173,7 +172,7 @@ def full_reference_model(trainer: Any, peft_config: Any) -> tuple[Any, float | N
     config = unwrap_outer(wrapped).config
     if peft_config is not None:
         config = unwrap_outer(wrapped).get_base_model().config
-    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ref = auto_model_class(config).from_config(config, dtype=torch.float32)
     if peft_config is not None:
         from peft import get_peft_model
 
@@ -209,8 +208,9 @@ class EngineChecker:
     def __call__(self) -> None:
         from vllm import SamplingParams
 
-        from fsdp_sync.compat.engine_api import engine_handle
+        from fsdp_sync.compat.engine_api import engine_handle, engine_name_mapper, packed_modules
         from fsdp_sync.testing.engine import (
+            by_engine_name,
             compare_states,
             engine_state,
             expected_checkpoint_state,
@@ -223,8 +223,10 @@ class EngineChecker:
         after_sync = engine_state(llm)
         checkpoint = expected_checkpoint_state(self._full_model())
         handle = engine_handle(llm)
-        packed = dict(getattr(type(handle.model), "packed_modules_mapping", {}) or {})
-        direct_checked, direct_problems = fused_direct_check(after_sync, checkpoint, packed, handle.dtype)
+        packed = packed_modules(handle.model)
+        direct_checked, direct_problems = fused_direct_check(
+            after_sync, by_engine_name(checkpoint, engine_name_mapper(handle.model)), packed, handle.dtype
+        )
         full = self._last_full
         logits_problems = logprobs_check(llm, full, self.trainer.processing_class, handle.dtype)
         reference = reference_engine_state(llm, checkpoint)
@@ -254,15 +256,21 @@ class EngineChecker:
         """After a failed sync: does the engine hold what the error says? Every engine weight named as holding its
         previous value must equal the snapshot taken before the sync; every other one (except those loaded from
         tensors named undefined) must equal the trainer's new full weight, bit for bit."""
-        from fsdp_sync.compat.engine_api import engine_handle
-        from fsdp_sync.testing.engine import engine_state, expected_checkpoint_state, expected_engine_tensor
+        from fsdp_sync.compat.engine_api import engine_handle, engine_name_mapper, packed_modules
+        from fsdp_sync.testing.engine import (
+            by_engine_name,
+            engine_state,
+            expected_checkpoint_state,
+            expected_engine_tensor,
+        )
 
         llm = _engine(self.trainer)
         after = engine_state(llm)
         handle = engine_handle(llm)
-        packed = dict(getattr(type(handle.model), "packed_modules_mapping", {}) or {})
-        checkpoint = expected_checkpoint_state(self._full_model())
-        undefined = set(state.undefined)
+        packed = packed_modules(handle.model)
+        to_engine = engine_name_mapper(handle.model)
+        checkpoint = by_engine_name(expected_checkpoint_state(self._full_model()), to_engine)
+        undefined = set(by_engine_name(dict.fromkeys(state.undefined), to_engine))
         problems: list[str] = []
         counts = {"previous": 0, "new": 0, "undefined": 0, "unchecked": 0}
         for name, value in after.items():
@@ -351,15 +359,16 @@ class ServerChecker:
         return problems
 
     def __call__(self) -> None:
-        from vllm.model_executor.models import ModelRegistry
-
-        from fsdp_sync.testing.engine import digest_check, expected_checkpoint_state
+        from fsdp_sync.compat.engine_api import engine_model_class, engine_name_mapper, packed_modules_for_architectures
+        from fsdp_sync.testing.engine import by_engine_name, digest_check, expected_checkpoint_state
 
         full, lora_delta = full_reference_model(self.trainer, self.peft_config)
-        checkpoint = expected_checkpoint_state(full)
         digests = {key.rsplit(":", 1)[-1]: d for key, d in self.client.weight_checksums().items()}
-        arch = full.config.architectures[0]
-        packed = dict(getattr(ModelRegistry._try_load_model_cls(arch), "packed_modules_mapping", {}) or {})
+        architectures = list(full.config.architectures)
+        checkpoint = by_engine_name(
+            expected_checkpoint_state(full), engine_name_mapper(engine_model_class(architectures))
+        )
+        packed = packed_modules_for_architectures(architectures)
         checked, problems = digest_check(digests, checkpoint, packed, self.info.dtype)
         logits_problems = self._logprobs_problems(full)
         self.records.append(
@@ -536,14 +545,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         keep_engine_weights_readable()
 
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from fsdp_sync import FSDPVLLMSyncMixin, SyncConfig
+    from fsdp_sync.testing.models import auto_model_class
     from fsdp_sync.testing.cpu_fsdp import restore_fsdp_distributed_type
 
     trainer_cls, config_cls, trainer_fields = _trainer_classes(args.trainer)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    model = auto_model_class(AutoConfig.from_pretrained(args.model_dir)).from_pretrained(
+        args.model_dir, dtype=torch.float32
+    )
+    if getattr(model.config, "vision_config", None) is not None and not server:
+        from fsdp_sync.testing.no_torchvision import engines_without_video
+
+        engines_without_video()
     generator = torch.Generator().manual_seed(1234)  # same noise on every rank
     with torch.no_grad():
         for p in model.parameters():

@@ -12,7 +12,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FAMILIES", "TinySpec", "build_tiny_checkpoint", "build_tokenizer", "config_for", "read_checkpoint"]
+__all__ = [
+    "FAMILIES",
+    "TinySpec",
+    "auto_model_class",
+    "build_tiny_checkpoint",
+    "build_tiny_vlm_checkpoint",
+    "build_tokenizer",
+    "config_for",
+    "read_checkpoint",
+]
 
 # A small word-level vocabulary: enough distinct tokens for prompts and completions to vary.
 _WORDS = (
@@ -86,7 +95,7 @@ FAMILIES: dict[str, TinySpec] = {
 }
 
 
-def build_tokenizer(out_dir: str | Path):
+def build_tokenizer(out_dir: str | Path, special: list[str] | None = None):
     """Train a small byte-level BPE tokenizer on a built-in word list, write it, and return it (no hub).
 
     Why byte-level BPE: transformers 5 picks the tokenizer class from the model type (Qwen2Tokenizer for the Qwen
@@ -101,7 +110,7 @@ def build_tokenizer(out_dir: str | Path):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=_SPECIAL,
+        special_tokens=special or _SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -141,3 +150,62 @@ def read_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
     for f in sorted(Path(directory).glob("*.safetensors")):
         state.update(load_file(str(f)))
     return state
+
+
+# Special tokens of the tiny Qwen2-VL, at fixed low ids (the config names the image and video tokens by id).
+_QWEN_VL_SPECIAL = [*_SPECIAL, "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def auto_model_class(config) -> type:
+    """The transformers auto class a config's model loads with: image-text-to-text for vision-language models."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
+def build_tiny_vlm_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny Qwen2-VL checkpoint (about 0.9M parameters, vision tower of 2 blocks), its tokenizer and image
+    processor config to `out_dir` and return the path.
+
+    The language model keeps the shapes of the text families (head_dim 64; the M-RoPE sections add up to 32). The
+    image processor config is written as JSON: building transformers' processor objects needs torchvision, which the
+    test stack does not have (see `fsdp_sync.testing.no_torchvision`, which the engine then needs too).
+    """
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, _QWEN_VL_SPECIAL)
+    ids = {token: i for i, token in enumerate(_QWEN_VL_SPECIAL)}
+    text = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, eos_token_id=1, pad_token_id=0, bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+    )  # fmt: skip
+    vision = dict(
+        depth=2, embed_dim=128, hidden_size=128, mlp_ratio=2, num_heads=2, in_channels=3, patch_size=14,
+        spatial_merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
+    config = AutoConfig.for_model(
+        "qwen2_vl",
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(str(out))
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "merge_size": 2, "patch_size": 14, "temporal_patch_size": 2, "resample": 3,
+        "rescale_factor": 1 / 255, "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112},
+    }  # fmt: skip
+    (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=1))
+    return out

@@ -22,6 +22,7 @@ from fsdp_sync.compat.engine_api import (
     eager_reload_tensors,
     engine_handle,
     finalize_failed_reload,
+    engine_name_mapper,
     packed_modules,
     quiet_partial_reload,
     refresh_tied_cpu_gemms,
@@ -123,10 +124,10 @@ class ColocateWriter:
 
     def engine_groups(self) -> EngineGroups:
         modules = {name.rpartition(".")[0] for name, _ in self.handle.model.named_parameters()}
-        return EngineGroups(packed_modules(self.handle.model), modules)
+        return EngineGroups(packed_modules(self.handle.model), modules, engine_name_mapper(self.handle.model))
 
     def engine_digest_plan(self) -> EngineDigests:
-        return EngineDigests(packed_modules(self.handle.model))
+        return EngineDigests(packed_modules(self.handle.model), engine_name_mapper(self.handle.model))
 
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         compute = getattr(self.handle.worker, "compute_weight_checksums", None)

@@ -185,3 +185,32 @@ def test_a_rank_that_hangs_is_named_after_the_timeout() -> None:
     assert late["error"] == "SyncTimeoutError", late
     assert "Restart the job" in late["message"]
     print(f"hang: rank 0 raised after {first['seconds']:.2f} s (timeout 3 s), rank 1 after {late['seconds']:.2f} s")
+
+
+def unsendable_scenario(rank: int, world_size: int) -> dict:
+    """Rank 0 hands the coordinator an object that cannot be pickled (a closure); rank 1 a plain one."""
+    from fsdp_sync.distributed import Coordinator
+
+    coordinator = Coordinator(timeout_s=30)
+    item = (lambda name: name) if rank == 0 else "plain"
+    started = time.perf_counter()
+    try:
+        coordinator.broadcast(item)
+    except SyncError as e:
+        raised = (type(e).__name__, str(e))
+    else:
+        raised = None
+    seconds = time.perf_counter() - started
+    after = coordinator.exchange(rank)  # the group is still usable
+    return {"raised": raised, "seconds": seconds, "after": after}
+
+
+def test_an_item_one_rank_cannot_send_fails_every_rank_at_once() -> None:
+    """Regression: an unpicklable object broadcast from rank 0 (a name mapper closure) raised on rank 0 before the
+    collective while rank 1 waited inside it until rank 0's process went away."""
+    for result in run_distributed(unsendable_scenario):
+        assert result["raised"] is not None, "every rank must raise"
+        kind, message = result["raised"]
+        assert kind == "SyncError" and "rank 0: function cannot be pickled" in message, message
+        assert result["seconds"] < 10, result["seconds"]
+        assert result["after"] == [0, 1]

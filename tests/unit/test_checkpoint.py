@@ -129,6 +129,15 @@ def test_lm_head_optional_when_tied(tmp_path: Path, config: dict, lm_head_option
     assert "lm_head.weight" in manifest.tensors  # still listed, so a sent lm_head is shape-checked
 
 
+def test_vision_language_config_ties_at_the_top_level(tmp_path: Path) -> None:
+    """Regression: transformers 5.19's Qwen2VLTextConfig has no `tie_word_embeddings` (the model ties by its top-level
+    config); reading it from the text sub-config raised AttributeError and failed every Qwen2-VL sync."""
+    from fsdp_sync.testing.models import build_tiny_vlm_checkpoint
+
+    model_dir = build_tiny_vlm_checkpoint(tmp_path)
+    assert read_checkpoint_manifest(model_dir).optional == frozenset({"lm_head.weight"})
+
+
 def test_no_config_json_means_not_tied(tmp_path: Path) -> None:
     """Without config.json nothing says the embeddings are tied, so `lm_head.weight` stays required if present."""
     save_file({"a": torch.zeros(1)}, str(tmp_path / "model.safetensors"))

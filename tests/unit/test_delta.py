@@ -7,6 +7,7 @@ The end-to-end tests (`tests/e2e/test_delta.py`) check the same on the real vLLM
 from __future__ import annotations
 
 import logging
+import pickle
 
 import pytest
 import torch
@@ -35,6 +36,53 @@ def test_engine_groups_follow_the_packed_mapping_and_the_engines_fused_experts()
     assert groups.group(f"{layer}.mlp.experts.3.gate_proj.weight") == f"{layer}.mlp.experts"
     assert groups.group(f"{layer}.mlp.experts.0.down_proj.weight") == f"{layer}.mlp.experts"
     assert groups.group("model.embed_tokens.weight") == "model.embed_tokens"
+
+
+def test_engine_groups_of_a_vision_language_model_rename_and_fall_back_to_the_parent_module() -> None:
+    """vLLM 0.32's Qwen2-VL: its weights mapper moves `model.*` to `language_model.model.*`, and the model class
+    declares no packed mapping (its language model does). Renamed, with the mapping: exact groups. Renamed, without
+    it (server mode reads the class only): q, k and v still go together, with their parent module."""
+    from fsdp_sync.testing.no_torchvision import install
+
+    install()  # vLLM's Qwen2-VL module imports a torchvision-backed transformers module
+    from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+    from fsdp_sync.compat.engine_api import engine_name_mapper, packed_modules_for_architectures
+
+    assert packed_modules_for_architectures(["Qwen2VLForConditionalGeneration"]) == {}
+    to_engine = engine_name_mapper(Qwen2VLForConditionalGeneration)
+    assert to_engine is not None
+    to_engine = pickle.loads(pickle.dumps(to_engine))  # the grouping is broadcast from rank 0
+    layer = "language_model.model.layers.0"
+    modules = [f"{layer}.self_attn.qkv_proj", f"{layer}.self_attn.o_proj", f"{layer}.mlp.gate_up_proj",
+               f"{layer}.mlp.down_proj", "visual.blocks.0.attn.qkv", "language_model.model.embed_tokens"]  # fmt: skip
+    exact = EngineGroups(PACKED, modules, to_engine)
+    assert exact.group("model.layers.0.self_attn.k_proj.weight") == f"{layer}.self_attn.qkv_proj"
+    assert exact.group("model.layers.0.self_attn.o_proj.weight") == f"{layer}.self_attn.o_proj"
+    assert exact.group("visual.blocks.0.attn.qkv.weight") == "visual.blocks.0.attn.qkv"
+    assert exact.group("model.embed_tokens.weight") == "language_model.model.embed_tokens"
+    coarse = EngineGroups({}, modules, to_engine)
+    qkv = {coarse.group(f"model.layers.0.self_attn.{m}_proj.weight") for m in "qkv"}
+    assert qkv == {f"{layer}.self_attn"}
+    assert coarse.group("model.layers.0.mlp.up_proj.weight") == coarse.group("model.layers.0.mlp.gate_proj.weight")
+    assert coarse.group("model.layers.0.mlp.down_proj.weight") == f"{layer}.mlp.down_proj"
+    # Without the renaming, a Qwen2-VL name matches no engine module and no parent: the check above is not vacuous.
+    assert EngineGroups({}, modules).group("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj"
+
+
+def test_packed_modules_read_the_components_of_the_engine_model() -> None:
+    """vLLM's own `get_packed_modules_mapping`: a model without a mapping of its own takes its components'."""
+    from fsdp_sync.compat.engine_api import packed_modules
+
+    class LanguageModel(torch.nn.Module):
+        packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    class VisionLanguageModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.language_model = LanguageModel()
+
+    assert packed_modules(VisionLanguageModel()) == {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 
 
 def _planned(names: list[str]) -> list[PlannedTensor]:
