@@ -10,6 +10,7 @@ themselves.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -297,8 +298,12 @@ def packed_modules_for_architectures(architectures: list[str]) -> dict[str, list
 
 
 class EngineNameMapper:
-    """Checkpoint tensor name -> the name vLLM loads it under, by the model's own `hf_to_vllm_mapper` (names the
-    mapper drops stay as they are). A class, not a closure: the engine grouping that holds it is sent between ranks.
+    """Checkpoint tensor name -> the name vLLM loads it under, by the model's own `hf_to_vllm_mapper` without its
+    stacking rules (names the mapper drops stay as they are). A class, not a closure: the engine grouping that holds
+    it is sent between ranks.
+
+    NOTE: the stacking rules (`.q_proj` -> `.qkv_proj`, Llama's) lose which part a tensor is; fused modules are
+    read from `packed_modules` instead, which keeps the order of the parts.
     """
 
     def __init__(self, mapper: Any) -> None:
@@ -310,9 +315,15 @@ class EngineNameMapper:
 
 def engine_name_mapper(model_or_class: Any) -> EngineNameMapper | None:
     """The `EngineNameMapper` of an engine model or model class (vision-language models move the language model:
-    `model.layers.0...` -> `language_model.model.layers.0...`); None when the model renames nothing."""
+    `model.layers.0...` -> `language_model.model.layers.0...`); None when the model renames nothing but fused
+    modules."""
     mapper = getattr(model_or_class, "hf_to_vllm_mapper", None)
-    return EngineNameMapper(mapper) if hasattr(mapper, "map_name") else None
+    if not dataclasses.is_dataclass(mapper) or not hasattr(mapper, "map_name"):
+        return None
+    renames = {f.name: getattr(mapper, f.name) for f in dataclasses.fields(mapper) if f.name != "orig_to_new_stacked"}
+    if not any(renames.values()):
+        return None
+    return EngineNameMapper(dataclasses.replace(mapper, orig_to_new_stacked={}))
 
 
 def split_worker_digests(checksums: dict[str, str]) -> tuple[list[dict[str, str]], bool]:

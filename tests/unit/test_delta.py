@@ -70,6 +70,17 @@ def test_engine_groups_of_a_vision_language_model_rename_and_fall_back_to_the_pa
     assert EngineGroups({}, modules).group("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj"
 
 
+def test_engine_name_mapper_keeps_the_parts_of_fused_modules() -> None:
+    """vLLM 0.32's Llama mapper stacks `.q_proj` into `.qkv_proj` (losing which part a tensor is); that is left to the
+    packed mapping, so a model that renames nothing else has no mapper at all."""
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    from fsdp_sync.compat.engine_api import engine_name_mapper
+
+    assert LlamaForCausalLM.hf_to_vllm_mapper.map_name("model.layers.0.self_attn.q_proj.weight").endswith("qkv_proj.weight")
+    assert engine_name_mapper(LlamaForCausalLM) is None
+
+
 def test_packed_modules_read_the_components_of_the_engine_model() -> None:
     """vLLM's own `get_packed_modules_mapping`: a model without a mapping of its own takes its components'."""
     from fsdp_sync.compat.engine_api import packed_modules
