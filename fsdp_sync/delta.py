@@ -126,6 +126,8 @@ class EngineGroups:
     ) -> None:
         self._fused = {part: fused for fused, parts in packed.items() for part in parts}
         self._modules = frozenset(engine_modules)
+        # Every proper ancestor of an engine module: "does the engine have modules under this path" in one lookup.
+        self._ancestors = frozenset(m.rsplit(".", k)[0] for m in self._modules for k in range(1, m.count(".") + 1))
         self._to_engine = to_engine
 
     def group(self, name: str) -> str:
@@ -151,7 +153,7 @@ class EngineGroups:
         return module
 
     def _has_modules_under(self, prefix: str) -> bool:
-        return any(m.startswith(prefix + ".") for m in self._modules)
+        return prefix in self._ancestors
 
 
 @dataclass(frozen=True)
