@@ -75,9 +75,10 @@ class FusedBuffersWriter:
             self.slots[name].copy_(tensor)
 
     def engine_groups(self):  # type: ignore[no-untyped-def]
+        from fsdp_sync.compat.engine_api import EngineNaming
         from fsdp_sync.delta import EngineGroups
 
-        return EngineGroups(VLLM_PACKED, {name.rpartition(".")[0] for name in self.buffers})
+        return EngineGroups(EngineNaming(VLLM_PACKED), {name.rpartition(".")[0] for name in self.buffers})
 
     def finish(self) -> None:
         """No cache to reset."""

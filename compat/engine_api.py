@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +22,12 @@ import torch
 __all__ = [
     "EngineHandle",
     "EngineNameMapper",
+    "EngineNaming",
     "engine_handle",
     "engine_model_class",
     "engine_name_mapper",
+    "engine_naming",
+    "engine_naming_for_architectures",
     "eager_reload_tensors",
     "finalize_failed_reload",
     "keep_moe_experts_processed_on_reload",
@@ -324,6 +328,48 @@ def engine_name_mapper(model_or_class: Any) -> EngineNameMapper | None:
     if not any(renames.values()):
         return None
     return EngineNameMapper(dataclasses.replace(mapper, orig_to_new_stacked={}))
+
+
+@dataclass(frozen=True)
+class EngineNaming:
+    """Where vLLM loads a checkpoint tensor: the name its model's weights mapper gives it, then the fused parameter
+    its module is part of. One value for every consumer (the delta grouping, the digests of `verify`); picklable,
+    as the grouping is sent between ranks.
+
+    Attributes:
+        packed: engine module -> the checkpoint modules it fuses, in order (`packed_modules`).
+        to_engine: the model's renaming (`engine_name_mapper`); None where it renames nothing.
+    """
+
+    packed: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
+    to_engine: EngineNameMapper | None = None
+
+    @functools.cached_property
+    def _part_of(self) -> dict[str, tuple[str, int, int]]:
+        return {part: (fused, i, len(parts)) for fused, parts in self.packed.items() for i, part in enumerate(parts)}
+
+    def parameter(self, name: str) -> tuple[str, int, int]:
+        """(engine parameter, index of this part in it, number of parts) for a checkpoint tensor name."""
+        name = self.to_engine(name) if self.to_engine is not None else name
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        if last in self._part_of:
+            fused, index, parts = self._part_of[last]
+            return f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}", index, parts
+        return name, 0, 1
+
+
+def engine_naming(model: torch.nn.Module) -> EngineNaming:
+    """The `EngineNaming` of an in-process engine model."""
+    return EngineNaming(packed_modules(model), engine_name_mapper(model))
+
+
+def engine_naming_for_architectures(architectures: list[str]) -> EngineNaming:
+    """The `EngineNaming` from the model class that serves `architectures` (server mode): the class's own packed
+    mapping only (empty for Qwen2-VL, whose components declare theirs; the delta grouping then falls back to whole
+    parent modules)."""
+    cls = engine_model_class(architectures)
+    return EngineNaming(packed_modules_for_architectures(architectures), engine_name_mapper(cls))
 
 
 def split_worker_digests(checksums: dict[str, str]) -> tuple[list[dict[str, str]], bool]:

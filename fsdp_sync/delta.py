@@ -28,11 +28,12 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from fsdp_sync.compat.engine_api import EngineNaming
 from fsdp_sync.compat.manifest import PlannedTensor
 
 __all__ = ["DeltaTracker", "EngineGroups", "Selection", "fingerprints", "nbytes"]
@@ -112,23 +113,16 @@ class EngineGroups:
     """Which checkpoint tensors vLLM loads into one engine module (a module that receives any must receive all).
 
     Args:
-        packed: the engine model's `packed_modules_mapping` (engine module -> the checkpoint modules it fuses).
+        naming: where vLLM loads each checkpoint tensor (the model's renaming and `packed_modules_mapping`).
         engine_modules: paths of the engine modules that own parameters (colocate: from the engine model; server:
             from the server's parameter names).
-        to_engine: checkpoint tensor name -> the name vLLM loads it under (the model's weights mapper; None: same).
     """
 
-    def __init__(
-        self,
-        packed: Mapping[str, Sequence[str]],
-        engine_modules: Iterable[str],
-        to_engine: Callable[[str], str] | None = None,
-    ) -> None:
-        self._fused = {part: fused for fused, parts in packed.items() for part in parts}
+    def __init__(self, naming: EngineNaming, engine_modules: Iterable[str]) -> None:
+        self._naming = naming
         self._modules = frozenset(engine_modules)
         # Every proper ancestor of an engine module: "does the engine have modules under this path" in one lookup.
         self._ancestors = frozenset(m.rsplit(".", k)[0] for m in self._modules for k in range(1, m.count(".") + 1))
-        self._to_engine = to_engine
 
     def group(self, name: str) -> str:
         """The engine module a checkpoint tensor is loaded into: its own, after renaming and fusing; where the
@@ -136,12 +130,10 @@ class EngineGroups:
         the mapping does not name is a sibling of its parts), else the indexed container it belongs to (fused
         experts: `...mlp.experts` over `...mlp.experts.<i>.gate_proj`, which vLLM loads into one module, e.g.
         `...mlp.experts.routed_experts`)."""
-        module = (self._to_engine(name) if self._to_engine else name).rpartition(".")[0]
-        parent, _, last = module.rpartition(".")
-        if last in self._fused:
-            module = f"{parent}.{self._fused[last]}" if parent else self._fused[last]
+        module = self._naming.parameter(name)[0].rpartition(".")[0]
         if module in self._modules or not self._modules:
             return module
+        parent = module.rpartition(".")[0]
         if parent and self._has_modules_under(parent):
             return parent
         segments = module.split(".")

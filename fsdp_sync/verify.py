@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from fsdp_sync.compat.engine_api import EngineNaming
 
 __all__ = ["EMPTY_DIGEST", "EngineDigests", "VerifyResult", "tensor_bytes"]
 
@@ -90,13 +92,11 @@ class EngineDigests:
     """Trainer-side digests of what one sync sends, per engine parameter.
 
     Args:
-        packed: the engine model's `packed_modules_mapping` (engine module -> checkpoint modules fused into it).
-        to_engine: checkpoint tensor name -> the name vLLM loads it under (the model's weights mapper; None: same).
+        naming: where vLLM loads each checkpoint tensor (the model's renaming and `packed_modules_mapping`).
     """
 
-    def __init__(self, packed: Mapping[str, Sequence[str]], to_engine: Callable[[str], str] | None = None) -> None:
-        self._to_engine = to_engine
-        self._part_of = {part: (fused, i, len(parts)) for fused, parts in packed.items() for i, part in enumerate(parts)}
+    def __init__(self, naming: EngineNaming) -> None:
+        self._naming = naming
         self._entries: dict[str, _Fused] = {}
         self.seconds = 0.0
 
@@ -104,19 +104,9 @@ class EngineDigests:
         self._entries = {}
         self.seconds = 0.0
 
-    def engine_name(self, name: str) -> tuple[str, int, int]:
-        """(engine parameter, index of this part, number of parts) for a sent checkpoint tensor."""
-        name = self._to_engine(name) if self._to_engine else name
-        module, _, leaf = name.rpartition(".")
-        parent, _, last = module.rpartition(".")
-        if last in self._part_of:
-            fused, index, parts = self._part_of[last]
-            return f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}", index, parts
-        return name, 0, 1
-
     def add(self, name: str, tensor: torch.Tensor) -> None:
         started = time.perf_counter()
-        engine_name, index, parts = self.engine_name(name)
+        engine_name, index, parts = self._naming.parameter(name)
         entry = self._entries.setdefault(engine_name, _Fused(parts))
         entry.add(index, tensor)
         self.seconds += time.perf_counter() - started

@@ -22,8 +22,7 @@ from fsdp_sync.compat.engine_api import (
     eager_reload_tensors,
     engine_handle,
     finalize_failed_reload,
-    engine_name_mapper,
-    packed_modules,
+    engine_naming,
     quiet_partial_reload,
     refresh_tied_cpu_gemms,
     reset_prefix_cache,
@@ -124,10 +123,10 @@ class ColocateWriter:
 
     def engine_groups(self) -> EngineGroups:
         modules = {name.rpartition(".")[0] for name, _ in self.handle.model.named_parameters()}
-        return EngineGroups(packed_modules(self.handle.model), modules, engine_name_mapper(self.handle.model))
+        return EngineGroups(engine_naming(self.handle.model), modules)
 
     def engine_digest_plan(self) -> EngineDigests:
-        return EngineDigests(packed_modules(self.handle.model), engine_name_mapper(self.handle.model))
+        return EngineDigests(engine_naming(self.handle.model))
 
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         compute = getattr(self.handle.worker, "compute_weight_checksums", None)

@@ -32,9 +32,8 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
 from fsdp_sync.compat.engine_api import (
-    engine_model_class,
-    engine_name_mapper,
-    packed_modules_for_architectures,
+    EngineNaming,
+    engine_naming_for_architectures,
     split_worker_digests,
     trainer_transfer_engine,
 )
@@ -394,22 +393,15 @@ class ServerWriter:
         # plan, when the sync sends only what changed.
         assert self.client is not None
         modules = {key.rsplit(":", 1)[-1].rpartition(".")[0] for key in self.client.weight_checksums()}
-        return EngineGroups(self._packed(), modules, engine_name_mapper(self._engine_class()))
+        return EngineGroups(self._naming(), modules)
 
-    def _architectures(self) -> list[str]:
+    def _naming(self) -> EngineNaming:
         config = Path(self.checkpoint_dir) / "config.json"
-        return (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
-
-    def _engine_class(self) -> type | None:
-        return engine_model_class(self._architectures())
-
-    def _packed(self) -> dict[str, list[str]]:
-        # NOTE: the class's own mapping only (the server holds the model object); where a model's components
-        # declare theirs (vision-language models), `EngineGroups` falls back to whole parent modules.
-        return packed_modules_for_architectures(self._architectures())
+        architectures = (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
+        return engine_naming_for_architectures(architectures)
 
     def engine_digest_plan(self) -> EngineDigests:
-        return EngineDigests(self._packed(), engine_name_mapper(self._engine_class()))
+        return EngineDigests(self._naming())
 
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         assert self.client is not None

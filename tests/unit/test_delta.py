@@ -12,6 +12,7 @@ import pickle
 import pytest
 import torch
 
+from fsdp_sync.compat.engine_api import EngineNaming
 from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
 from fsdp_sync.delta import DeltaTracker, EngineGroups, fingerprints
 from fsdp_sync.pipeline import WeightSync
@@ -27,7 +28,7 @@ def test_engine_groups_follow_the_packed_mapping_and_the_engines_fused_experts()
     # vLLM 0.32's Qwen3-MoE: the experts' module is `...mlp.experts.routed_experts` (w13_weight, w2_weight).
     modules = [f"{layer}.mlp.experts.routed_experts", f"{layer}.self_attn.qkv_proj", f"{layer}.self_attn.o_proj",
                f"{layer}.mlp.gate_up_proj", "model.embed_tokens"]  # fmt: skip
-    groups = EngineGroups(PACKED, modules)
+    groups = EngineGroups(EngineNaming(PACKED), modules)
     assert groups.group(f"{layer}.self_attn.q_proj.weight") == f"{layer}.self_attn.qkv_proj"
     assert groups.group(f"{layer}.self_attn.v_proj.bias") == f"{layer}.self_attn.qkv_proj"
     assert groups.group(f"{layer}.self_attn.o_proj.weight") == f"{layer}.self_attn.o_proj"
@@ -56,18 +57,19 @@ def test_engine_groups_of_a_vision_language_model_rename_and_fall_back_to_the_pa
     layer = "language_model.model.layers.0"
     modules = [f"{layer}.self_attn.qkv_proj", f"{layer}.self_attn.o_proj", f"{layer}.mlp.gate_up_proj",
                f"{layer}.mlp.down_proj", "visual.blocks.0.attn.qkv", "language_model.model.embed_tokens"]  # fmt: skip
-    exact = EngineGroups(PACKED, modules, to_engine)
+    exact = EngineGroups(EngineNaming(PACKED, to_engine), modules)
     assert exact.group("model.layers.0.self_attn.k_proj.weight") == f"{layer}.self_attn.qkv_proj"
     assert exact.group("model.layers.0.self_attn.o_proj.weight") == f"{layer}.self_attn.o_proj"
     assert exact.group("visual.blocks.0.attn.qkv.weight") == "visual.blocks.0.attn.qkv"
     assert exact.group("model.embed_tokens.weight") == "language_model.model.embed_tokens"
-    coarse = EngineGroups({}, modules, to_engine)
+    coarse = EngineGroups(EngineNaming({}, to_engine), modules)
     qkv = {coarse.group(f"model.layers.0.self_attn.{m}_proj.weight") for m in "qkv"}
     assert qkv == {f"{layer}.self_attn"}
     assert coarse.group("model.layers.0.mlp.up_proj.weight") == coarse.group("model.layers.0.mlp.gate_proj.weight")
     assert coarse.group("model.layers.0.mlp.down_proj.weight") == f"{layer}.mlp.down_proj"
     # Without the renaming, a Qwen2-VL name matches no engine module and no parent: the check above is not vacuous.
-    assert EngineGroups({}, modules).group("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj"
+    unrenamed = EngineGroups(EngineNaming(), modules)
+    assert unrenamed.group("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj"
 
 
 def test_engine_name_mapper_keeps_the_parts_of_fused_modules() -> None:
@@ -77,7 +79,8 @@ def test_engine_name_mapper_keeps_the_parts_of_fused_modules() -> None:
 
     from fsdp_sync.compat.engine_api import engine_name_mapper
 
-    assert LlamaForCausalLM.hf_to_vllm_mapper.map_name("model.layers.0.self_attn.q_proj.weight").endswith("qkv_proj.weight")
+    stacked = LlamaForCausalLM.hf_to_vllm_mapper.map_name("model.layers.0.self_attn.q_proj.weight")
+    assert stacked.endswith("qkv_proj.weight")
     assert engine_name_mapper(LlamaForCausalLM) is None
 
 
@@ -110,7 +113,7 @@ def test_a_trainable_part_of_a_fused_module_sends_the_whole_module() -> None:
     planned = _planned(names)
     trainable = frozenset()
     merge = frozenset({f"{layer}.self_attn.q_proj.weight", f"{layer}.self_attn.v_proj.weight"})
-    tracker = DeltaTracker(planned, trainable, merge, EngineGroups(PACKED, ()))
+    tracker = DeltaTracker(planned, trainable, merge, EngineGroups(EngineNaming(PACKED), ()))
     assert tracker.always == frozenset(names[:6])
     assert tracker.watched == tuple(sorted(f"t.{n}" for n in names[6:]))
     selection = tracker.select([])
@@ -146,7 +149,7 @@ def test_fingerprints_see_one_changed_element_and_a_swap(dtype: torch.dtype, siz
 
 class GroupingWriter(FakeWriter):
     def engine_groups(self) -> EngineGroups:
-        return EngineGroups(PACKED, ())
+        return EngineGroups(EngineNaming(PACKED), ())
 
 
 def _q_proj_trained(**options: bool) -> tuple[dict[str, torch.Tensor], FakeGatherer, GroupingWriter, WeightSync]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_sync.compat.engine_api import EngineNaming
 from fsdp_sync.compat.layout import IdentityLayout
 from fsdp_sync.compat.manifest import EngineManifest, ManifestError, PlannedTensor, TensorSpec
 from fsdp_sync.compat.names import NameRules, canonical_name
@@ -620,7 +621,7 @@ class DigestWriter(FakeWriter):
     def engine_digest_plan(self):  # type: ignore[no-untyped-def]
         from fsdp_sync.verify import EngineDigests
 
-        return EngineDigests({})
+        return EngineDigests(EngineNaming())
 
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         import hashlib
@@ -660,7 +661,7 @@ def test_engine_digests_hash_fused_parts_in_engine_order_whatever_the_arrival_or
     from fsdp_sync.verify import EngineDigests, tensor_bytes
 
     q, k, v = (torch.randn(4, 8) for _ in range(3))
-    digests = EngineDigests({"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    digests = EngineDigests(EngineNaming({"qkv_proj": ["q_proj", "k_proj", "v_proj"]}))
     prefix = "model.layers.0.self_attn"
     for name, t in (("k_proj", k), ("q_proj", q), ("v_proj", v)):
         digests.add(f"{prefix}.{name}.weight", t)
