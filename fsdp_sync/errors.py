@@ -18,6 +18,7 @@ __all__ = [
     "SyncError",
     "SyncStageError",
     "SyncTimeoutError",
+    "UnsupportedSetupError",
     "VerifyError",
 ]
 
@@ -117,6 +118,12 @@ class SyncStageError(SyncError):
 class SyncTimeoutError(SyncError):
     """A rank did not reach an agreed point of the sync within `SyncConfig.sync_timeout_s` (hung or dead). The ranks
     can no longer run collectives together; the job must be restarted."""
+
+
+class UnsupportedSetupError(SyncError):
+    """The trainer's set-up is one this package cannot sync (a TRL, vLLM or engine setting; the message says which
+    and what to change). Raised on every rank when the trainer is built or at the first sync, before anything is
+    gathered or sent."""
 
 
 class NonFiniteWeightsError(SyncError):

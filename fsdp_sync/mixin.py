@@ -24,11 +24,13 @@ from fsdp_sync.compat.trl_api import (
     log_sync_metrics,
     mark_weights_awake,
     server_address,
+    server_mode_problem,
 )
+from fsdp_sync.compat.weight_transfer import missing_api
 
 from .backend import Backend, detect_backend
 from .config import SyncConfig
-from .errors import SyncError
+from .errors import SyncError, UnsupportedSetupError
 from .assemble import build_sync
 from .pipeline import SyncPlan, WeightSync
 from .report import SyncReport
@@ -64,13 +66,10 @@ class FSDPVLLMSyncMixin:
         self._fvs_server_address: ServerAddress | None = server_address(trainer_args)
         self._fvs_server_info: ServerInfo | None = None
         if self._fvs_server_address is not None:
-            try:
-                from .writers.server import check_server
-            except ImportError as e:
-                raise ImportError(
-                    f"Server mode needs vLLM's weight-transfer trainer engines on the trainer ({e}); install vLLM 0.28 "
-                    "or newer next to TRL (TRL 1.16 gates the same API on 0.28)."
-                ) from e
+            problem = server_mode_problem() or missing_api()
+            if problem is not None:
+                raise UnsupportedSetupError(f"Server mode with fsdp-vllm-sync: {problem}.")
+            from .writers.server import check_server
 
             # NOTE: on every rank, before the trainer is built: TRL checks the server on the main process only, and
             # a failure there leaves the other ranks waiting in the barrier that follows. The transport is the

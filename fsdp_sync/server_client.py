@@ -14,12 +14,13 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-from fsdp_sync.compat.server_api import ServerInfo, parse_server_info
+from fsdp_sync.compat.server_api import ROUTE_SINCE, ServerInfo, parse_server_info
 
 __all__ = [
     "ServerClient",
     "ServerConfigError",
     "ServerRequestError",
+    "ServerRouteMissing",
     "ServerUnavailableError",
 ]
 
@@ -36,6 +37,10 @@ class ServerConfigError(RuntimeError):
 
 class ServerRequestError(RuntimeError):
     """The server answered a weight-sync request with an error; the message carries its answer."""
+
+
+class ServerRouteMissing(ServerConfigError):
+    """The server runs with its development routes, but its vLLM version has no such route (an older vLLM)."""
 
 
 class ServerClient(HTTPVLLMWeightSyncClient):
@@ -63,16 +68,33 @@ class ServerClient(HTTPVLLMWeightSyncClient):
         except requests.exceptions.ConnectionError as e:
             raise ServerUnavailableError(f"the vLLM server at {self.base_url} cannot be reached ({method} /{path})") from e
         if response.status_code == 404 and path != "health":
-            raise ServerConfigError(
-                f"the vLLM server at {self.base_url} has no route /{path}: start it with VLLM_SERVER_DEV_MODE=1 "
-                "(the weight-update routes are development routes)"
-            )
+            raise self._missing(path)
         if response.status_code != 200:
             raise ServerRequestError(
                 f"the vLLM server at {self.base_url} answered {method} /{path} with HTTP {response.status_code}: "
                 f"{response.text[:2000]}"
             )
         return response.json() if response.content else None
+
+    def _missing(self, path: str) -> ServerConfigError:
+        """The error for a route the server does not have: its development routes are off, or (when `/server_info`,
+        itself a development route, answers) its vLLM is older than the route."""
+        if path != "server_info":
+            try:
+                self._request("GET", "server_info", params={"config_format": "json"}, timeout=min(self.timeout, 10.0))
+                version = self._request("GET", "version", timeout=min(self.timeout, 10.0)).get("version", "unknown")
+            except (ServerConfigError, ServerRequestError, ServerUnavailableError, AttributeError):
+                pass
+            else:
+                since = ROUTE_SINCE.get(path)
+                return ServerRouteMissing(
+                    f"the vLLM server at {self.base_url} runs vLLM {version}, which has no route /{path}"
+                    + (f" (it came with vLLM {since})" if since else "")
+                )
+        return ServerConfigError(
+            f"the vLLM server at {self.base_url} has no route /{path}: start it with VLLM_SERVER_DEV_MODE=1 "
+            "(the weight-update routes are development routes)"
+        )
 
     def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
         self._request("POST", path, json=json)
@@ -107,5 +129,9 @@ class ServerClient(HTTPVLLMWeightSyncClient):
         self._request("POST", "reset_prefix_cache")
 
     def weight_checksums(self) -> dict[str, str]:
-        """sha256 of every engine parameter, keyed `dp0:pp0:pcp0:tp0:<engine name>` (vLLM's `/weight_checker`)."""
+        """sha256 of every engine parameter, keyed `dp0:pp0:pcp0:tp0:<engine name>` (vLLM's `/weight_checker`).
+
+        Raises:
+            ServerRouteMissing: the server's vLLM is older than the route (0.32).
+        """
         return dict(self._request("POST", "weight_checker", json={"action": "checksum"})["checksums"])

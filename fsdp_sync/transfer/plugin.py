@@ -3,11 +3,20 @@
 vLLM calls every function of that entry-point group at the start of each of its processes (API server, engine core,
 workers), so `vllm serve ... --weight-transfer-config '{"backend": "gloo"}'` finds the backend once this package is
 installed. Registration is lazy (a module path), so nothing is imported until a server or trainer uses the backend.
+
+NOTE: vLLM 0.32's `load_general_plugins()` guards loading a plugin but not calling it: an exception raised here would
+stop every vLLM process where this package is installed, colocated engines included. So `register()` never raises:
+it registers what the installed vLLM has (the weight-transfer registries came with vLLM 0.28) and logs what it
+skipped and why.
 """
 
 from __future__ import annotations
 
+import logging
+
 __all__ = ["BACKENDS", "register"]
+
+logger = logging.getLogger(__name__)
 
 # backend name -> (module, worker-side engine class, trainer-side engine class)
 BACKENDS: dict[str, tuple[str, str, str]] = {
@@ -16,12 +25,15 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
 
 
 def register() -> None:
-    """Register every backend of `BACKENDS` on both sides; idempotent (vLLM may call plugins more than once)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    """Register every backend of `BACKENDS` in every registry vLLM has; idempotent (vLLM may call plugins twice)."""
+    try:
+        from fsdp_sync.compat.weight_transfer import register_backends
 
-    for name, (module, engine_cls, trainer_cls) in BACKENDS.items():
-        # NOTE: the registries raise on a second registration of a name; `_registry` is the only way to ask.
-        if name not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine(name, module, engine_cls)
-        if name not in WeightTransferTrainerFactory._registry:
-            WeightTransferTrainerFactory.register_engine(name, module, trainer_cls)
+        registered, skipped = register_backends(BACKENDS)
+    except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
+        logger.warning("fsdp-vllm-sync: weight-transfer backends not registered (%s: %s)", type(e).__name__, e)
+        return
+    if skipped:
+        logger.warning("fsdp-vllm-sync: weight-transfer backends not registered: %s", "; ".join(skipped))
+    if registered:
+        logger.debug("fsdp-vllm-sync: registered weight-transfer backends: %s", ", ".join(registered))

@@ -19,9 +19,7 @@ import torch
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
 from fsdp_sync.compat.engine_api import (
     EngineHandle,
-    eager_reload_tensors,
     engine_handle,
-    finalize_failed_reload,
     engine_naming,
     quiet_partial_reload,
     refresh_tied_cpu_gemms,
@@ -30,6 +28,7 @@ from fsdp_sync.compat.engine_api import (
     wake_up_weights,
 )
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
+from fsdp_sync.compat.reload_api import eager_reload_tensors, finalize_failed_reload
 
 from ..errors import EngineState, StreamInterrupted, SyncError
 from ..delta import EngineGroups
@@ -111,7 +110,8 @@ class ColocateWriter:
             if not started:
                 return EngineState("unchanged")
             return EngineState("mixed", note="loaded tensor by tensor: the tensors reached hold new values")
-        previous, new = finalize_failed_reload(self.handle.model, self.handle.model_config, eager)
+        handle = self.handle
+        previous, new = finalize_failed_reload(handle.model, handle.model_config, handle.device, eager)
         if not new:
             return EngineState("unchanged")
         return EngineState(

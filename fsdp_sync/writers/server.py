@@ -28,20 +28,21 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
-from fsdp_sync.compat.engine_api import (
-    EngineNaming,
-    engine_naming_for_architectures,
-    split_worker_digests,
-    trainer_transfer_engine,
-)
+from fsdp_sync.compat.engine_api import EngineNaming, engine_naming_for_architectures, split_worker_digests
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.server_api import ServerInfo
 from fsdp_sync.compat.trl_api import ServerAddress
+from fsdp_sync.compat.weight_transfer import PlanSource, plan_source, source_metadata, trainer_transfer_engine
 from ..errors import EngineState, SyncError
-from ..server_client import ServerClient, ServerConfigError, ServerRequestError, ServerUnavailableError
+from ..server_client import (
+    ServerClient,
+    ServerConfigError,
+    ServerRequestError,
+    ServerRouteMissing,
+    ServerUnavailableError,
+)
 from ..delta import EngineGroups
 from ..verify import EngineDigests
 
@@ -161,29 +162,6 @@ def check_server(address: ServerAddress, *, timeout_s: float) -> ServerInfo:
     return info
 
 
-class _PlanSource(WeightSource):
-    """The `WeightSource` vLLM's trainer engines read: metadata from the plan, tensors from this sync's stream."""
-
-    def __init__(self, meta: list[ParamMeta]) -> None:
-        self._meta = meta
-        self._stream: Iterable[tuple[str, torch.Tensor]] | None = None
-
-    def metadata(self) -> list[ParamMeta]:
-        return self._meta
-
-    def announce(self, meta: list[ParamMeta]) -> None:
-        self._meta = meta
-
-    def feed(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._stream = stream
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._stream is None:
-            raise RuntimeError("the weight stream of this sync was already consumed")
-        stream, self._stream = self._stream, None
-        return iter(stream)
-
-
 class _UpstreamError(Exception):
     """Carries an exception raised by the sync's own stream through the transport's code, to tell it apart from
     the transport's failures."""
@@ -214,7 +192,7 @@ class _Cut:
 
 
 def _completed_with_placeholders(
-    stream: Iterator[tuple[str, torch.Tensor]], meta: list[ParamMeta], cut: _Cut
+    stream: Iterator[tuple[str, torch.Tensor]], meta: list[Any], cut: _Cut
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The stream; if it fails part-way, the rest of the announced tensors as placeholders (zeros, on the device of
     the last real tensor), so that a backend that cannot abort a round still completes it."""
@@ -274,7 +252,7 @@ class ServerWriter:
         self.group_port = group_port
         self.buffer_bytes = buffer_bytes
         self.timeout_s = timeout_s
-        self._source: _PlanSource | None = None
+        self._source: PlanSource | None = None
         self._engine: Any = None
         self._round_open = False
 
@@ -294,11 +272,12 @@ class ServerWriter:
         def wire_dtype(dtype: torch.dtype) -> torch.dtype:
             return self.engine_dtype if (self.engine_dtype is not None and dtype.is_floating_point) else dtype
 
-        meta = [ParamMeta(t.name, wire_dtype(t.spec.dtype), tuple(t.spec.shape)) for t in planned]
-        if self._source is None:
-            self._source = _PlanSource(meta)
-        else:  # the trainer engine holds this source: a new selection (delta sync) changes what it announces
-            self._source.announce(meta)
+        self._source = plan_source((t.name, wire_dtype(t.spec.dtype), t.spec.shape) for t in planned)
+        if self._engine is not None:
+            # NOTE: a transfer engine reads the source it was built with (`self.source`, in every vLLM version), and
+            # a source's metadata never changes (vLLM 0.33+ requires it): a new selection (a delta sync) is a new
+            # source, handed to the engine built at the first sync.
+            self._engine.source = self._source
 
     def _connect(self) -> Any:
         """The handshake with the server (first sync, and the sync after a failed one)."""
@@ -347,7 +326,7 @@ class ServerWriter:
             stage = "send"
             stream = _upstream_marked(weights)
             if not self.transport.aborts_round:
-                stream = _completed_with_placeholders(stream, self._source.metadata(), cut)
+                stream = _completed_with_placeholders(stream, source_metadata(self._source), cut)
             self._source.feed(stream)
             self._round_open = True
             self._engine.send_weights()
@@ -392,8 +371,16 @@ class ServerWriter:
         # NOTE: the server's parameter names come with its digests (the only route that lists them); read once per
         # plan, when the sync sends only what changed.
         assert self.client is not None
-        modules = {key.rsplit(":", 1)[-1].rpartition(".")[0] for key in self.client.weight_checksums()}
-        return EngineGroups(self._naming(), modules)
+        try:
+            checksums = self.client.weight_checksums()
+        except ServerRouteMissing as e:
+            logger.warning(
+                "weight sync: %s, so its parameters cannot be listed; delta syncs send whole decoder layers (every "
+                "tensor of a layer that holds anything that can change)",
+                e,
+            )
+            return EngineGroups(self._naming(), None)
+        return EngineGroups(self._naming(), {key.rsplit(":", 1)[-1].rpartition(".")[0] for key in checksums})
 
     def _naming(self) -> EngineNaming:
         config = Path(self.checkpoint_dir) / "config.json"
@@ -401,6 +388,14 @@ class ServerWriter:
         return engine_naming_for_architectures(architectures)
 
     def engine_digest_plan(self) -> EngineDigests:
+        assert self.client is not None
+        try:
+            self.client.weight_checksums()  # the server must show its digests before anything is sent
+        except ServerRouteMissing as e:
+            raise ServerConfigError(
+                f"SyncConfig(verify=True) compares the server's own weight digests with what was sent, but {e}. "
+                "Upgrade the server's vLLM, or sync without verify."
+            ) from e
         return EngineDigests(self._naming())
 
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:

@@ -11,12 +11,14 @@ Every fault must fail on every rank, within a bound, with an error that says wha
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from fsdp_sync.testing.dist import free_port
-from fsdp_sync.testing.vllm_server import VLLMServerProcess
+from fsdp_sync.testing.vllm_release import release_dir
+from fsdp_sync.testing.vllm_server import VLLMServerProcess, server_weight_digests
 
 from .helpers import assert_synced_every_time, checkpoint_numel, checkpoint_tensor_count, run_grpo
 
@@ -95,10 +97,7 @@ def test_server_started_from_another_model_is_refused_before_sending(
 ) -> None:
     """The trainer trains a Llama-style model; the server serves the Qwen2 checkpoint: the manifest check against the
     server's checkpoint fails on every rank before anything is sent, and the server's weights are untouched."""
-    from fsdp_sync.server_client import ServerClient
-
-    client = ServerClient(server.base_url, timeout=60)
-    before = client.weight_checksums()
+    before = server_weight_digests(server.base_url)
     result = run_grpo(checkpoints("llama"), tmp_path, "fsdp2", *_server_args(server.base_url), check=False)
     errors = _failures(result)
     for e in errors:
@@ -108,7 +107,7 @@ def test_server_started_from_another_model_is_refused_before_sending(
         print(f"another model: failed after {e['seconds']:.2f} s of the first sync")
         assert e["seconds"] < 60
     assert all(r["reports"] == [] for r in result.ranks)
-    assert client.weight_checksums() == before
+    assert server_weight_digests(server.base_url) == before
 
 
 def test_server_unreachable_fails_every_rank_in_bounded_time(checkpoints, tmp_path: Path) -> None:
@@ -205,3 +204,27 @@ def test_lora_delta_syncs_send_less_to_the_server(server: VLLMServerProcess, che
             assert not rep["complete"] and rep["tensors"] < first["tensors"] and rep["bytes"] < first["bytes"], rep
         print(f"server lora delta: {later[0]['tensors']} of {first['tensors']} tensors, "
               f"{later[0]['bytes']} of {first['bytes']} bytes")  # fmt: skip
+
+
+RELEASES = tomllib.loads((Path(__file__).resolve().parents[2] / ".ci" / "matrix.toml").read_text())["releases"]["vllm"]
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_trainer_side_on_released_vllm_weight_transfer_code(
+    version: str, server: VLLMServerProcess, checkpoints, tmp_path: Path
+) -> None:
+    """The trainer processes import vLLM `version`'s own `vllm.distributed.weight_transfer` (fetched from its wheel by
+    .ci/setup; vLLM 0.33 rewrote the trainer-side `WeightSource`), the server runs the installed CPU build. LoRA, so
+    the delta syncs after the first announce new selections (a source per selection: 0.33+ forbids changing a
+    source's metadata); every server weight is bit-exact after every sync."""
+    root = release_dir(version)
+    assert (root / "vllm").is_dir(), f"{root} is missing: run .ci/setup (it fetches vLLM {version}'s wheel)"
+    model_dir = checkpoints("qwen2")
+    args = ["--peft", "--steps", "3", "--vllm-weight-transfer-from", str(root), *_server_args(server.base_url)]
+    result = run_grpo(model_dir, tmp_path, "fsdp2", *args)
+    ranks = assert_synced_every_time(result, "fsdp2", steps=3)
+    for r in ranks:
+        assert r["weight_transfer"]["file"].startswith(str(root)), r["weight_transfer"]
+        assert r["weight_transfer"]["iter_full"], "the release's WeightSource reads through iter_full()"
+        first, *later = r["reports"]
+        assert first["complete"] and all(not rep["complete"] and rep["tensors"] < first["tensors"] for rep in later)

@@ -77,9 +77,9 @@ def test_engine_name_mapper_keeps_the_parts_of_fused_modules() -> None:
     packed mapping, so a model that renames nothing else has no mapper at all."""
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
-    from fsdp_sync.compat.engine_api import engine_name_mapper
+    from fsdp_sync.compat.engine_api import _map_name_method, engine_name_mapper
 
-    stacked = LlamaForCausalLM.hf_to_vllm_mapper.map_name("model.layers.0.self_attn.q_proj.weight")
+    stacked = _map_name_method(LlamaForCausalLM.hf_to_vllm_mapper)("model.layers.0.self_attn.q_proj.weight")
     assert stacked.endswith("qkv_proj.weight")
     assert engine_name_mapper(LlamaForCausalLM) is None
 

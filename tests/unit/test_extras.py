@@ -56,6 +56,14 @@ def _vllm_in_place_reload() -> bool:
     return hasattr(Worker, "reload_weights") and {"weights_iterator", "is_checkpoint_format"} <= parameters.keys()
 
 
+def _vllm_weight_transfer() -> bool:
+    """Server mode and the plugin use vLLM's weight-transfer API (both registries, `vllm.distributed.weight_transfer`),
+    and the colocated writer the in-place reload."""
+    from fsdp_sync.compat.weight_transfer import missing_api
+
+    return missing_api() is None and _vllm_in_place_reload()
+
+
 def _trl_sync_entry_point() -> bool:
     """GRPOConfig has `vllm_mode`, and GRPOTrainer syncs through one of the entry points compat/trl_api.py finds."""
     from trl import GRPOConfig, GRPOTrainer
@@ -68,7 +76,7 @@ def _trl_sync_entry_point() -> bool:
         return True
     from trl.generation.vllm_generation import VLLMGeneration
 
-    # TRL >= 1.0: the trainer builds `self.vllm_generation`, whose `sync_weights` the mixin replaces.
+    # TRL >= 0.28: the trainer builds `self.vllm_generation`, whose `sync_weights` the mixin replaces.
     assigns = f"self.{trl_api.VLLM_GENERATION} = " in inspect.getsource(GRPOTrainer)
     return assigns and callable(getattr(VLLMGeneration, "sync_weights", None))
 
@@ -118,7 +126,7 @@ class Floor:
 
 
 FLOORS: tuple[Floor, ...] = (
-    Floor("vllm", "0.16", _vllm_in_place_reload),
+    Floor("vllm", "0.28", _vllm_weight_transfer),
     Floor("trl", "0.18", _trl_sync_entry_point),
     Floor("transformers", "4.56", _transformers_dtype_keyword),
     Floor("accelerate", "1.7", _accelerate_fsdp2),

@@ -20,6 +20,7 @@ from fsdp_sync.compat.manifest import TensorSpec
 from fsdp_sync.compat.names import NameRules
 from fsdp_sync.compat.server_api import ServerInfo, parse_server_info
 from fsdp_sync.compat.trl_api import defer_trl_weight_communicator, server_address
+from fsdp_sync.compat.weight_transfer import plan_source, source_metadata, source_tensors
 from fsdp_sync.pipeline import WeightSync
 from fsdp_sync.server_client import ServerConfigError, ServerRequestError
 from fsdp_sync.testing.dist import free_port
@@ -77,9 +78,9 @@ class RecordingEngine:
         return engine
 
     def send_weights(self) -> None:
-        meta = self.source.metadata()
+        meta = source_metadata(self.source)
         sent = []
-        for name, tensor in self.source:
+        for name, tensor in source_tensors(self.source):
             if RecordingEngine.fail_next is not None:
                 error, RecordingEngine.fail_next = RecordingEngine.fail_next, None
                 raise error
@@ -224,17 +225,11 @@ def test_plan_chunks_packs_aligned_and_keeps_large_tensors_alone() -> None:
         gloo.plan_chunks([1], buffer_bytes=0)
 
 
-class _Source:
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def metadata(self) -> list[Any]:
-        from vllm.distributed.weight_transfer.base import ParamMeta
-
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.tensors.items())
+def _source(tensors: dict[str, torch.Tensor]) -> Any:
+    """A `WeightSource` of the installed vLLM announcing `tensors` and yielding them once."""
+    source = plan_source((n, t.dtype, t.shape) for n, t in tensors.items())
+    source.feed(tensors.items())
+    return source
 
 
 def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
@@ -257,7 +252,7 @@ def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
     )
     worker = gloo.GlooWeightTransferEngine(None, config, torch.device("cpu"), model)  # type: ignore[arg-type]
     worker.buffer_bytes = 512
-    meta = _Source(tensors).metadata()
+    meta = source_metadata(_source(tensors))
     update = gloo.GlooUpdateInfo(
         names=[m.name for m in meta],
         dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
@@ -274,11 +269,11 @@ def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
 
     thread = threading.Thread(target=receive)
     thread.start()
-    trainer = gloo.GlooTrainerWeightTransferEngine(client=None, source=_Source(tensors), buffer_bytes=512, timeout_s=30)  # type: ignore[arg-type]
+    trainer = gloo.GlooTrainerWeightTransferEngine(client=None, source=_source(tensors), buffer_bytes=512, timeout_s=30)  # type: ignore[arg-type]
     trainer.group = gloo._open_group("127.0.0.1", port, 0, 2, timeout_s=30)
     from concurrent.futures import Future
 
-    trainer._broadcast_stream(_Source(tensors), meta, Future())
+    trainer._broadcast_stream(source_tensors(_source(tensors)), meta, Future())
     thread.join(timeout=60)
     assert not errors, errors
     received = [item for chunk in loaded for item in chunk]
@@ -290,12 +285,12 @@ def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
 
 def test_stream_that_disagrees_with_the_announcement_names_the_tensor() -> None:
     tensors = {"a.weight": torch.zeros(2, 2)}
-    meta = _Source(tensors).metadata()
+    meta = source_metadata(_source(tensors))
     wrong = {"a.weight": torch.zeros(2, 3)}
     with pytest.raises(ValueError, match=r"expected 'a.weight' torch.float32 \(2, 2\), got 'a.weight' torch.float32 \(2, 3\)"):
-        list(gloo._checked(_Source(wrong), meta))
+        list(gloo._checked(wrong.items(), meta))
     with pytest.raises(ValueError, match="ended before 'a.weight'"):
-        list(gloo._checked(_Source({}), meta))
+        list(gloo._checked({}.items(), meta))
 
 
 # --- what the server and the trainer's config say ----------------------------------------------------------------
@@ -341,6 +336,18 @@ def test_trl_communicator_is_deferred_only_while_the_trainer_is_built() -> None:
         assert VLLMClient.init_communicator is not original
         assert VLLMClient.init_communicator(object(), device="cpu") is None
     assert VLLMClient.init_communicator is original
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a trainer without CUDA")
+def test_trl_device_argument_of_the_deferred_communicator_works_without_cuda() -> None:
+    """TRL 0.28-1.9 evaluate `torch.cuda.current_device()` for the deferred call (regression: TRL 0.29 server mode
+    on a CPU trainer died with "Torch not compiled with CUDA enabled" before the mixin's deferral could help)."""
+    from trl.generation.vllm_client import VLLMClient
+
+    with defer_trl_weight_communicator():
+        assert VLLMClient.init_communicator(object(), device=torch.cuda.current_device()) is None
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        torch.cuda.current_device()
 
 
 def _unplanned_between(sync: WeightSync) -> None:
@@ -391,12 +398,13 @@ def test_a_backend_that_cannot_abort_gets_placeholders_and_says_so(recording) ->
 
 
 def test_a_new_selection_is_announced_through_the_source_the_engine_holds(recording) -> None:
-    """A delta sync announces fewer tensors: the transfer engine built at the first sync must see the new metadata
-    (it holds the source object), not a replaced source (regression: 'the weight stream was already consumed')."""
+    """A delta sync announces fewer tensors: the transfer engine built at the first sync must read the new metadata
+    (regression: 'the weight stream was already consumed'). A source's metadata never changes (vLLM 0.33+ requires
+    it), so the writer hands the engine a new source."""
     sync, _ = recording
     sync.sync()
     engine = RecordingEngine.instances[0]
-    first = [m.name for m in engine.source.metadata()]
+    first = [m.name for m in source_metadata(engine.source)]
     planned = sync.checked_plan.tensors
     sync.writer.prepare(planned[:1])
-    assert [m.name for m in engine.source.metadata()] == [planned[0].name] != first
+    assert [m.name for m in source_metadata(engine.source)] == [planned[0].name] != first

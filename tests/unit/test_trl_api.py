@@ -30,7 +30,7 @@ class _OldTRLTrainer:
 
 
 class _NewTRLTrainer:
-    """A TRL >= 1.0 trainer base: no `_move_model_to_vllm`; the engine lives in `vllm_generation`."""
+    """A TRL >= 0.28 trainer base: no `_move_model_to_vllm`; the engine lives in `vllm_generation`."""
 
     def __init__(self, **attrs: Any) -> None:
         self.__dict__.update(attrs)
@@ -65,7 +65,7 @@ def test_no_vllm_returns_none(trainer: SimpleNamespace) -> None:
 
 
 def test_vllm_generation_colocate() -> None:
-    """TRL >= 1.0: `vllm_generation.sync_weights` is the entry, with its mode, llm and sleep flag."""
+    """TRL >= 0.28: `vllm_generation.sync_weights` is the entry, with its mode, llm and sleep flag."""
     llm = object()
     generation = _generation(mode="colocate", llm=llm, enable_sleep_mode=True)
     trainer = SimpleNamespace(args=SimpleNamespace(use_vllm=True), vllm_generation=generation)
