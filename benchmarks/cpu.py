@@ -87,6 +87,16 @@ def _measure_backend(
         )
         for strategy in OURS[backend]
     }
+    # The default without its status rounds (what the failure protocol costs, README "Failure behaviour"):
+    # benchmark-side only, the same sync with its coordinator's rounds answered locally.
+    syncs["flat-norounds"] = WeightSync(
+        make_gatherer(wrapped, detected, _config(backend, "flat"), engine_dtype=writer.engine_dtype),
+        writer,
+        rules=NameRules(),
+        layout=IdentityLayout(),
+        backend=backend,
+    )
+    syncs["flat-norounds"].coordinator.rounds_group = None  # its rounds are then answered locally
     # Floor: the same tensors, already full and in the engine dtype, pushed in one batched call.
     gatherer = syncs[OURS[backend][0]].gatherer
     full = [
@@ -107,7 +117,7 @@ def _measure_backend(
         return report.tensors, report.bytes
 
     methods = {"trl": run_trl, "floor": run_floor}
-    methods.update({f"ours-{s}": (lambda s=s: run_ours(s)) for s in OURS[backend]})
+    methods.update({f"ours-{s}": (lambda s=s: run_ours(s)) for s in syncs})
     for rep in range(reps):
         order = list(methods)
         order = order[rep % len(order):] + order[: rep % len(order)]

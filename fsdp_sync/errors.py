@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_sync.compat.manifest import ManifestError as _CheckpointMismatch
+
 __all__ = [
     "EngineState",
+    "agreed_error",
+    "describe_failures",
+    "ManifestError",
     "NonFiniteWeightsError",
     "RankFailure",
     "RemoteSyncError",
@@ -27,18 +32,16 @@ class RankFailure:
     """What failed on one rank: the stage and the error, as text (it travels between ranks).
 
     Attributes:
-        stage: where, in the order a sync runs them: `plan` (names and manifest, before anything is gathered),
-            `check` (the non-finite or delta check of the local shards), `gather` (this rank's part of the
-            all-gathers), `map`, `merge`, `convert`, `cast` (turning a gathered tensor into the engine's), `push`
-            (the engine or the transport), `verify` (the optional read-back of the engine's digests).
-        undefined: checkpoint tensors whose all-gather this rank joined with placeholder data (its own shard could
-            not be prepared): every other rank received undefined values for them.
+        stage: where, in the order a sync runs them: `build` (the sync's first construction), `plan` (names and
+            manifest, before anything is gathered), `check` (the non-finite or delta check of the local shards),
+            `gather` (this rank's part of the all-gathers), `map`, `merge`, `cast` (turning a gathered tensor into
+            the engine's), `push` (the engine or the transport), `verify` (the optional read-back of the engine's
+            digests). README "Failure behaviour" lists the fault points of each.
     """
 
     rank: int
     stage: str
     error: str
-    undefined: tuple[str, ...] = ()
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.stage}): {self.error}"
@@ -67,10 +70,6 @@ class EngineState:
     @property
     def current(self) -> bool:
         return self.status == "current"
-
-    def with_undefined(self, names: tuple[str, ...], note: str) -> EngineState:
-        """This state, with the engine weights of `names` known to hold undefined values."""
-        return EngineState("undefined", self.previous, tuple(sorted(set(self.undefined) | set(names))), note)
 
     def describe(self, limit: int = 8) -> str:
         def listed(names: tuple[str, ...]) -> str:
@@ -120,6 +119,11 @@ class SyncTimeoutError(SyncError):
     can no longer run collectives together; the job must be restarted."""
 
 
+class ManifestError(SyncError, _CheckpointMismatch):
+    """The sync plan does not match the engine's checkpoint (every unknown, missing and mismatched name is in the
+    message); nothing was sent. Also a `fsdp_sync.compat.manifest.ManifestError` (a `ValueError`)."""
+
+
 class UnsupportedSetupError(SyncError):
     """The trainer's set-up is one this package cannot sync (a TRL, vLLM or engine setting; the message says which
     and what to change). Raised on every rank when the trainer is built or at the first sync, before anything is
@@ -137,3 +141,25 @@ class VerifyError(SyncError):
 class StreamInterrupted(Exception):
     """Raised into a writer when the sync's own stream stops early (a failure upstream of the engine, recorded by
     the pipeline); a writer treats it as the end of a failed push, not as an engine failure."""
+
+
+def describe_failures(failures: list[RankFailure]) -> str:
+    return "; ".join(f.describe() for f in failures)
+
+
+def agreed_error(local: Exception | None, failures: list[RankFailure], engine: EngineState | None) -> SyncError:
+    """The one error every rank raises after a failed stage: this rank's own (its type kept where it is a
+    `SyncError`; chained to it) or `RemoteSyncError`, naming every failing rank, stage and error, and saying what
+    this rank's engine holds and what happens next."""
+    state = f" This rank's engine {engine.describe()}." if engine is not None else ""
+    parts = [f"The weight sync failed on {describe_failures(failures)}.{state}"]
+    if local is None:
+        parts.append("This rank did its part of every gather and stopped with the others.")
+    parts.append("The next sync sends every weight.")
+    message = " ".join(p for p in parts if p)
+    if local is None:
+        return RemoteSyncError(message, failures=tuple(failures), engine=engine)
+    cls = type(local) if isinstance(local, SyncError) else SyncStageError
+    error = cls(message, failures=tuple(failures), engine=engine)
+    error.__cause__ = local
+    return error

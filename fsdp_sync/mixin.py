@@ -30,7 +30,9 @@ from fsdp_sync.compat.weight_transfer import missing_api
 
 from .backend import Backend, detect_backend
 from .config import SyncConfig
-from .errors import SyncError, UnsupportedSetupError
+from .distributed import Coordinator, rank
+from .errors import EngineState, RankFailure, SyncError, UnsupportedSetupError, agreed_error
+from .faults import fault_point
 from .assemble import build_sync
 from .pipeline import SyncPlan, WeightSync
 from .report import SyncReport
@@ -143,9 +145,32 @@ class FSDPVLLMSyncMixin:
             case other:
                 raise ValueError(f"vLLM mode {other!r} is not supported; valid: 'colocate', 'server'")
 
-    def _fvs_build(self, model: torch.nn.Module, backend: Backend) -> WeightSync:
-        device = self.accelerator.device  # type: ignore[attr-defined]
-        return build_sync(model, self._fvs_writer(), self.sync_config, device=device, backend=backend)
+    def _fvs_build(self, model: torch.nn.Module) -> None:
+        """Detect the backend and build the sync for `model` (once per model object; none for DeepSpeed ZeRO, which
+        keeps the trainer's own sync), agreed on every rank.
+
+        Raises:
+            SyncError: on every rank when the build failed on any (the engine is unchanged).
+        """
+        # NOTE: the control group first: creating it is a collective, so no rank may fail on its own before it (a
+        # rank that raised there would leave the others waiting in it); every failure after it is agreed.
+        coordinator = Coordinator(self.sync_config.sync_timeout_s)
+        error: Exception | None = None
+        backend: Backend | None = None
+        sync: WeightSync | None = None
+        try:
+            fault_point("build")
+            backend = detect_backend(model)
+            if backend is not Backend.DEEPSPEED or self._fvs_builtin_sync is None:
+                device = self.accelerator.device  # type: ignore[attr-defined]
+                sync = build_sync(model, self._fvs_writer(), self.sync_config, device=device, backend=backend)
+        except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
+            error = e
+        own = RankFailure(rank(), "build", f"{type(error).__name__}: {error}") if error is not None else None
+        failures = coordinator.agree(own)
+        if failures:
+            raise agreed_error(error, failures, EngineState("unchanged") if self._fvs_target is not None else None)
+        self._fvs_sync, self._fvs_model, self._fvs_backend = sync, model, backend
 
     @property
     def engine_is_current(self) -> bool:
@@ -161,18 +186,16 @@ class FSDPVLLMSyncMixin:
                 (`engine_is_current` is False, a failed `SyncReport` is recorded and logged) until a sync succeeds.
         """
         model = self.model_wrapped  # type: ignore[attr-defined]
-        if model is not self._fvs_model:
-            backend = detect_backend(model)
-            if backend is Backend.DEEPSPEED and self._fvs_builtin_sync is not None:
+        sync = self._fvs_sync
+        try:
+            if model is not self._fvs_model:
+                self._fvs_build(model)
+                sync = self._fvs_sync
+            if sync is None:  # DeepSpeed ZeRO (`_fvs_build` builds nothing for it)
+                assert self._fvs_builtin_sync is not None
                 logger.warning("fsdp-vllm-sync: DeepSpeed ZeRO model; using the trainer's built-in weight sync.")
                 self._fvs_builtin_sync()
                 return None
-            self._fvs_sync = self._fvs_build(model, backend)
-            self._fvs_model = model
-            self._fvs_backend = backend
-        sync = self._fvs_sync
-        assert sync is not None
-        try:
             report = sync.sync()
         except SyncError as e:
             # NOTE: every rank gets here together (the error was agreed), so every rank marks its engine stale, even
@@ -180,7 +203,11 @@ class FSDPVLLMSyncMixin:
             self._fvs_stale = True
             engine = e.engine.status if e.engine is not None else "unknown"
             failed = SyncReport.failed(
-                e, engine, backend=sync.backend, strategy=sync.gatherer.strategy, writer=sync.writer.kind
+                e,
+                engine,
+                backend=sync.backend if sync is not None else "",
+                strategy=sync.gatherer.strategy if sync is not None else "",
+                writer=sync.writer.kind if sync is not None else "",
             )
             self.sync_reports.append(failed)
             logger.error("%s", failed.summary())

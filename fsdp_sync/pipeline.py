@@ -16,22 +16,26 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp_sync.compat.layout import IdentityLayout, Layout
-from fsdp_sync.compat.manifest import ManifestError, PlannedTensor, TensorSpec, check_plan
+from fsdp_sync.compat.manifest import ManifestError as _CheckpointMismatch
+from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec, check_plan
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 
 from .delta import DeltaTracker, EngineGroups, Selection, nbytes
-from .distributed import Coordinator, rank
+from .distributed import Coordinator, Rounds, rank
 from .errors import (
     EngineState,
+    agreed_error,
+    describe_failures,
+    ManifestError,
     NonFiniteWeightsError,
     RankFailure,
-    RemoteSyncError,
     StreamInterrupted,
     SyncError,
     SyncStageError,
     SyncTimeoutError,
     VerifyError,
 )
+from .faults import fault_point
 from .gather.base import Gatherer, GatherFailed
 from .memory import MemoryMeter
 from .peft_merge import PeftMerge
@@ -61,19 +65,6 @@ class SyncPlan:
     tensors: tuple[PlannedTensor, ...]
     targets: dict[str, str]
     dropped: tuple[Dropped, ...] = field(default_factory=tuple)
-
-
-@dataclass
-class _Failure:
-    """The first failure of this rank's own stages (gather ... cast), recorded where it happened."""
-
-    stage: str | None = None
-    error: Exception | None = None
-
-    def set(self, stage: str, error: Exception) -> StreamInterrupted:
-        if self.error is None:
-            self.stage, self.error = stage, error
-        return StreamInterrupted(f"{stage}: {type(error).__name__}: {error}")
 
 
 def build_plan(gatherer: Gatherer, rules: NameRules, layout: Layout) -> SyncPlan:
@@ -150,8 +141,8 @@ class WeightSync:
         """The plan once it has passed its check (first sync), else None; reading it runs no collective."""
         return self._plan
 
-    def _agree(self, error: Exception | None, stage: str, undefined: tuple[str, ...] = ()) -> list[RankFailure]:
-        failure = RankFailure(rank(), stage, f"{type(error).__name__}: {error}", undefined) if error is not None else None
+    def _agree(self, error: Exception | None, stage: str) -> list[RankFailure]:
+        failure = RankFailure(rank(), stage, f"{type(error).__name__}: {error}") if error is not None else None
         return self.coordinator.agree(failure)
 
     def plan(self) -> SyncPlan:
@@ -166,6 +157,7 @@ class WeightSync:
         plan: SyncPlan | None = None
         groups: EngineGroups | None = None
         try:
+            fault_point("plan")
             plan = build_plan(self.gatherer, self.rules, self.layout)
             if self.check_manifest and self.writer.pushes:
                 check_plan(plan.tensors, self.writer.manifest())
@@ -173,15 +165,18 @@ class WeightSync:
                 self._digests = self.writer.engine_digest_plan()
             if self.delta and rank() == 0:
                 groups = self.writer.engine_groups()
+            self.writer.prepare(plan.tensors)
         except Exception as e:  # every rank must learn of it before anyone gathers
             error = e
         failures = self._agree(error, "plan")
-        if error is not None:
-            raise error
         if failures:
-            manifest = all(f.error.startswith(f"{ManifestError.__name__}:") for f in failures)
-            remote = ManifestError if manifest else RemoteSyncError
-            raise remote(f"The weight sync failed on {_describe(failures)}. Nothing was sent.")
+            unchanged = EngineState("unchanged") if self.writer.pushes else None
+            text = f"The weight sync failed on {describe_failures(failures)}. Nothing was sent."
+            if all(f.error.startswith(f"{_CheckpointMismatch.__name__}:") for f in failures):
+                # NOTE: the failing ranks' own message lists every mismatched name; the others name the ranks.
+                detail = str(error) if isinstance(error, _CheckpointMismatch) else text
+                raise ManifestError(detail, failures=tuple(failures), engine=unchanged) from error
+            raise agreed_error(error, failures, unchanged)
         assert plan is not None
         if self.delta:
             # NOTE: the selection decides which collectives run, so every rank must make the same one: the engine's
@@ -189,7 +184,6 @@ class WeightSync:
             self._groups = self.coordinator.broadcast(groups)  # type: ignore[assignment]
         for d in plan.dropped:
             logger.info("weight sync: not sending %s: %s", d.name, d.reason)
-        self.writer.prepare(plan.tensors)
         self._prepared = plan.tensors
         self._plan = plan
         return plan
@@ -200,38 +194,43 @@ class WeightSync:
         if not self.delta:
             return Selection(True, None, plan.tensors), 0.0
         started = time.perf_counter()
-        trainable = self.gatherer.trainable()
-        tracker = self._delta
-        if tracker is None or tracker.trainable != trainable:  # new, or the trainable set changed: complete first
-            assert self._groups is not None
-            merge_names = self.merge.names if self.merge is not None else frozenset()
-            # NOTE: merge targets are the model's own names, the tracker's are checkpoint names; they differ where
-            # transformers converts the layout at load (VLMs: `model.language_model.*` is `model.*` on disk).
-            merged = frozenset(
-                t.name for t in plan.tensors if any(plan.targets.get(s) in merge_names for s in t.sources)
-            )
-            tracker = self._delta = DeltaTracker(plan.tensors, trainable, merged, self._groups)
         changed: list[str] = []
         error: Exception | None = None
-        if tracker.primed and self.delta_check:
-            try:
+        structure, primed = "", False
+        try:
+            fault_point("check")
+            trainable = self.gatherer.trainable()
+            tracker = self._delta
+            if tracker is None or tracker.trainable != trainable:  # new, or the trainable set changed: complete first
+                assert self._groups is not None
+                merge_names = self.merge.names if self.merge is not None else frozenset()
+                # NOTE: merge targets are the model's own names, the tracker's are checkpoint names; they differ
+                # where transformers converts the layout at load (VLMs: `model.language_model.*` is `model.*` on disk).
+                merged = frozenset(
+                    t.name for t in plan.tensors if any(plan.targets.get(s) in merge_names for s in t.sources)
+                )
+                tracker = self._delta = DeltaTracker(plan.tensors, trainable, merged, self._groups)
+            primed = tracker.primed
+            if primed and self.delta_check:
                 changed = tracker.changed(self._shards(tracker.watched))
-            except Exception as e:
-                error = e
-        # NOTE: a stable digest (str hashes differ between processes).
-        structure = hashlib.sha256("\n".join(sorted(trainable)).encode()).hexdigest()
+            # NOTE: a stable digest (str hashes differ between processes).
+            structure = hashlib.sha256("\n".join(sorted(trainable)).encode()).hexdigest()
+        except Exception as e:
+            error = e
         failure = None if error is None else RankFailure(rank(), "check", f"{type(error).__name__}: {error}")
-        state = (structure, tracker.primed, changed, failure)
+        state = (structure, primed, changed, failure)
         states = self.coordinator.exchange(state)
         failures = [s[3] for s in states if s[3] is not None]  # type: ignore[index]
         if failures:
-            raise _agreed_error(error, failures, EngineState("unchanged") if self.writer.pushes else None)
+            raise agreed_error(error, failures, EngineState("unchanged") if self.writer.pushes else None)
         if len({s[0] for s in states}) > 1:  # type: ignore[index]
             raise SyncStageError(
                 "The trainable parameters (requires_grad) differ between ranks; every rank must train the same ones "
                 "(the ranks would gather different units). Nothing was sent."
             )
         seconds = time.perf_counter() - started
+        tracker = self._delta
+        assert tracker is not None
         if not all(s[1] for s in states):  # type: ignore[index]
             return tracker.complete(), seconds
         union = sorted({name for s in states for name in s[2]})  # type: ignore[index]
@@ -270,6 +269,7 @@ class WeightSync:
         and if any rank found one, every rank raises naming the parameters, and nothing is sent."""
         error: Exception | None = None
         try:
+            fault_point("check")
             # NOTE: min and max in one pass (`aminmax`): NaN propagates into both and an infinity is one of them, so
             # both are finite exactly when every element is; measured 30x faster than `isfinite(x).all()` on CPU
             # (no boolean temporary), and one host sync for all of them.
@@ -290,9 +290,9 @@ class WeightSync:
         failures = self._agree(error, "check")
         if failures:
             raise NonFiniteWeightsError(
-                f"The weight sync refused to push non-finite weights: {_describe(failures)}. Nothing was sent; the "
-                "engine keeps the previous sync's weights. Training has diverged (look at the loss, the learning "
-                "rate, gradient clipping) or a weight was written outside training.",
+                f"The weight sync refused to push non-finite weights: {describe_failures(failures)}. Nothing was "
+                "sent; the engine keeps the previous sync's weights. Training has diverged (look at the loss, the "
+                "learning rate, gradient clipping) or a weight was written outside training.",
                 failures=tuple(failures),
                 engine=EngineState("unchanged") if self.writer.pushes else None,
             )
@@ -302,7 +302,7 @@ class WeightSync:
         plan: SyncPlan,
         source: Iterator[tuple[str, torch.Tensor]],
         counts: dict[str, int],
-        failure: _Failure,
+        rounds: Rounds,
         *,
         copy_all: bool = False,
         digests: EngineDigests | None = None,
@@ -313,7 +313,9 @@ class WeightSync:
         the last tensor while the next unit is gathered then holds that tensor, not its whole unit).
 
         A failure of any stage here (the gather, the name mapping, the merge, the conversion, the cast) is recorded
-        in `failure` and raised into the consumer as `StreamInterrupted`; the caller still drains `source`.
+        in `rounds` and raised into the consumer as `StreamInterrupted`, as is the end of a gather that another
+        rank's failure stopped: the consumer must not take a stopped stream for a complete one. The caller still
+        drains `source` (it stops at its next status round).
         """
         dtype = self.writer.engine_dtype
         copy = copy_all or (self.writer.retains_tensors and not self.gatherer.tensors_outlive_step)
@@ -326,9 +328,11 @@ class WeightSync:
             except StopIteration:
                 break
             except Exception as e:
-                raise failure.set("gather", _as_gather_failure(e)) from e
+                rounds.fail("gather", _as_gather_failure(e))
+                raise StreamInterrupted(f"gather: {type(e).__name__}: {e}") from e
             stage = "map"
             try:
+                fault_point("stream.map", name=trainer_name)
                 target = plan.targets.get(trainer_name)
                 if target is None:
                     if trainer_name in dropped:
@@ -342,12 +346,13 @@ class WeightSync:
                 fresh = False
                 if self.merge is not None and target in merge_names:
                     stage = "merge"
+                    fault_point("stream.merge", name=target)
                     tensor = self.merge.apply(target, tensor)
                     self.meter.hold_until_freed(tensor)
                     fresh = True
-                stage = "convert"
+                stage = "cast"
+                fault_point("stream.cast", name=target)
                 for name, out in self.layout.convert(target, tensor):
-                    stage = "cast"
                     cast_to = dtype if (dtype is not None and out.is_floating_point()) else out.dtype
                     owned = out.to(dtype=cast_to, copy=copy and not fresh)
                     if owned is not out:
@@ -360,30 +365,57 @@ class WeightSync:
                     # NOTE: drop this frame's references before the gatherer is asked for the next unit, so that they
                     # do not keep the previous unit's buffer alive while the next one is gathered.
                     del out, owned
-                    stage = "convert"
                 del tensor
+            except StreamInterrupted:
+                raise
             except Exception as e:
-                raise failure.set(stage, e) from e
+                rounds.fail(stage, e)
+                raise StreamInterrupted(f"{stage}: {type(e).__name__}: {e}") from e
+        if rounds.stopped or rounds.failed:
+            raise StreamInterrupted(f"the gather stopped: {_stopped(rounds)}")
         missing = sorted((set(plan.targets) if expected is None else expected & set(plan.targets)) - seen)
         if missing:
             error = IncompleteSyncError(
                 f"{len(missing)} planned parameter(s) were never gathered: {', '.join(missing[:10])}"
                 f"{' ...' if len(missing) > 10 else ''}. The model structure changed after the first sync."
             )
-            raise failure.set("map", error)
+            rounds.fail("map", error)
+            raise StreamInterrupted(f"map: {error}")
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The sync's stream with no writer behind it (`fsdp_sync.full_weights`): full tensors under checkpoint
-        names, cast, each its own copy; every rank must drain it (it runs the gathers)."""
+        names, cast, each its own copy; every rank must drain it (it runs the gathers).
+
+        Raises:
+            SyncError: on every rank when any rank failed (as `sync`).
+        """
         plan = self.plan()
         self.meter.start()
-        failure = _Failure()
+        rounds = Rounds(self.coordinator)
+        source = iter(self.gatherer.iter_full(self.meter, None, rounds))
         try:
-            yield from self._stream(plan, iter(self.gatherer.iter_full(self.meter)), {"bytes": 0, "tensors": 0},
-                                    failure, copy_all=True)  # fmt: skip
-        except StreamInterrupted as e:
-            assert failure.error is not None
-            raise failure.error from e.__cause__
+            yield from self._stream(plan, source, {"bytes": 0, "tensors": 0}, rounds, copy_all=True)
+        except StreamInterrupted:
+            pass
+        except GeneratorExit:
+            # NOTE: the caller stopped reading part-way on this rank: the others still learn it at the next round
+            # and in the agreement (they raise RemoteSyncError) instead of waiting for this rank's gathers.
+            rounds.fail("map", RuntimeError("the caller stopped reading the full weights part-way"))
+            self._drain(source, rounds)
+            self._agree(rounds.error, "map")
+            raise
+        self._drain(source, rounds)
+        failures = self._agree(rounds.error, rounds.stage or "map")
+        if failures:
+            raise agreed_error(rounds.error, failures, None)
+
+    def _drain(self, source: Iterator[tuple[str, torch.Tensor]], rounds: Rounds) -> None:
+        """Run this rank's remaining part of the gather (it stops at its next status round once any rank failed)."""
+        try:
+            for _ in source:
+                pass
+        except Exception as e:
+            rounds.fail("gather", _as_gather_failure(e))
 
     def _push(
         self, plan: SyncPlan, counts: dict[str, int], digests: EngineDigests | None, selection: Selection
@@ -391,74 +423,80 @@ class WeightSync:
         """Hand the stream to the writer, finish this rank's share of the gathers whatever happened, then agree with
         every rank on the outcome before anyone goes on.
 
-        NOTE: the gather inside the stream is a sequence of collectives that every rank runs. When anything on this
+        NOTE: the gather inside the stream is a sequence of collectives that every rank runs, with a status round
+        before each unit's all-gather and before each gathered unit is handed on (`Rounds`). When anything on this
         rank fails part-way (its gather work, the mapping, the merge, the cast, the engine, the transport), the
-        writer stops consuming; the rest of the gather is then drained here (the flat gatherers keep running their
-        collectives even after a failure of their own), so this rank still enters every collective the other ranks
-        are waiting in. Only then do all ranks agree on the outcome, on a group of their own and within
-        `sync_timeout_s`, so a failure on any rank is raised on every rank and none blocks.
+        writer stops consuming and this rank says so at the next round, where every rank stops; units handed on
+        before it were gathered whole on every rank. Then all ranks agree on the outcome, on a group of their own and
+        within `sync_timeout_s`, so a failure on any rank is raised on every rank and none blocks.
 
         Returns:
             this rank's engine state (None on a rank that does not push).
         """
-        failure = _Failure()
-        source = iter(self.gatherer.iter_full(self.meter, selection.gather))
-        writer_error: Exception | None = None
+        rounds = Rounds(self.coordinator)
+        if self.writer.pushes and selection.tensors != self._prepared:
+            # Transports that announce tensors announce this sync's (a delta selection); local work, so a failure
+            # stops every rank at the gather's first round.
+            rounds.attempt("push", lambda: self.writer.prepare(selection.tensors))
+            self._prepared = () if rounds.failed else selection.tensors
+        source = iter(self.gatherer.iter_full(self.meter, selection.gather, rounds))
         engine: EngineState | None = None
         leftover = 0
-        stream = self._stream(plan, source, counts, failure, digests=digests, expected=selection.gather)
-        if self.writer.pushes:
-            try:
-                self.writer.write(stream)
-                engine = EngineState("current")
-            except Exception as e:
-                writer_error = e
-                engine = e.engine if isinstance(e, SyncError) and e.engine is not None else EngineState("undefined")
-        # A rank that does not push consumes the stream itself (its figures are then its own); a writer that returned
-        # early leaves the rest, which is counted.
-        if writer_error is None and failure.error is None:
-            try:
-                leftover = sum(1 for _ in stream)
-            except StreamInterrupted:
-                pass  # recorded in `failure`
+        stream = self._stream(plan, source, counts, rounds, digests=digests, expected=selection.gather)
         try:
-            for _ in source:
-                pass
-        except Exception as e:
-            failure.set("gather", _as_gather_failure(e))
-        local: Exception | None = failure.error
-        stage = failure.stage or "push"
-        if local is None:
-            local = writer_error
-        if local is None and leftover and self.writer.pushes:
-            local = IncompleteSyncError(f"{self.writer.kind} stopped {leftover} tensor(s) before the end of the stream")
-        if local is None and self.writer.pushes:
+            if self.writer.pushes:
+                rounds.attempt("push", lambda: fault_point("write"))  # the push starts
+            if self.writer.pushes and not rounds.failed:
+                try:
+                    self.writer.write(_faulted(stream))
+                    engine = EngineState("current")
+                except Exception as e:
+                    engine = e.engine if isinstance(e, SyncError) and e.engine is not None else EngineState("undefined")
+                    if not isinstance(e.__cause__, StreamInterrupted) and not isinstance(e, StreamInterrupted):
+                        rounds.fail("push", e)  # the engine or the transport itself
+            elif not self.writer.pushes:
+                # A rank that does not push consumes the stream itself (its figures are then its own).
+                try:
+                    for _ in stream:
+                        pass
+                except StreamInterrupted:
+                    pass  # recorded in `rounds`
+            elif engine is None:
+                engine = EngineState("unchanged")
+            if self.writer.pushes and engine is not None and engine.current:
+                # A writer that returned early leaves the rest, which is counted.
+                try:
+                    leftover = sum(1 for _ in stream)
+                except StreamInterrupted:
+                    pass
+            self._drain(source, rounds)
+        except SyncTimeoutError as e:
+            e.engine = engine
+            raise
+        if rounds.error is None and leftover and self.writer.pushes:
+            rounds.fail("push", IncompleteSyncError(f"{self.writer.kind} stopped {leftover} tensor(s) before the end"))
+        if rounds.error is None and not rounds.stopped and self.writer.pushes:
             try:
+                fault_point("write.finish")
                 self.writer.finish()
             except Exception as e:
-                local = e
-        placeholders = local.placeholders if isinstance(local, GatherFailed) else ()
-        undefined = tuple(t.name for t in plan.tensors if set(t.sources) & set(placeholders))
+                rounds.fail("push", e)
         try:
-            failures = self._agree(local, stage, undefined)
+            failures = self._agree(rounds.error, rounds.stage or "push")
         except SyncTimeoutError as e:
             e.engine = engine
             raise
         if failures:
-            tainted = tuple(name for f in failures if f.rank != rank() for name in f.undefined)
-            if tainted and engine is not None and engine.status != "unchanged":
-                ranks = sorted({f.rank for f in failures if f.undefined})
-                engine = engine.with_undefined(
-                    tainted, f"rank(s) {', '.join(map(str, ranks))} joined these all-gathers with placeholder shards"
-                )
-            raise _agreed_error(local, failures, engine)
+            raise agreed_error(rounds.error, failures, engine)
         return engine
 
-    def _verify(self, digests: EngineDigests) -> VerifyResult:
-        """Compare the engine's own digests with what this rank sent; agreed on every rank."""
+    def _verify(self, digests: EngineDigests, pushed: EngineState | None) -> VerifyResult:
+        """Compare the engine's own digests with what this rank sent; agreed on every rank. `pushed`: this rank's
+        engine state after the push (what it still holds unless its digests differ)."""
         result: VerifyResult | None = None
         error: Exception | None = None
         try:
+            fault_point("verify")
             replicas, sharded = self.writer.engine_digests()
             result = digests.compare(replicas, sharded=sharded)
             if result.mismatched:
@@ -467,8 +505,10 @@ class WeightSync:
             error = e
         failures = self._agree(error, "verify")
         if failures:
-            engine = EngineState("undefined", note="the engine's weights differ from what was sent") if error else None
-            raise _agreed_error(error, failures, engine)
+            engine = pushed
+            if isinstance(error, VerifyError):  # the weights named in its message differ from what was sent
+                engine = EngineState("undefined", note="the engine's weights differ from what was sent")
+            raise agreed_error(error, failures, engine)
         assert result is not None or not self.writer.pushes
         return result or VerifyResult()
 
@@ -484,9 +524,6 @@ class WeightSync:
         if self.check_finite:
             self._check_finite(plan)
         selection, check_seconds = self._selection(plan)
-        if self.writer.pushes and selection.tensors != self._prepared:
-            self.writer.prepare(selection.tensors)  # transports that announce tensors announce this sync's
-            self._prepared = selection.tensors
         counts = {"bytes": 0, "tensors": 0}
         digests = self._digests
         if digests is not None:
@@ -494,7 +531,7 @@ class WeightSync:
         self.meter.start()
         start = time.perf_counter()
         try:
-            self._push(plan, counts, digests, selection)
+            pushed = self._push(plan, counts, digests, selection)
         except SyncError:
             if self._delta is not None:
                 self._delta.forget()  # the engine may hold anything the failure left: the next sync is complete
@@ -507,7 +544,7 @@ class WeightSync:
         if self.verify:
             started = time.perf_counter()
             try:
-                verified = self._verify(digests) if digests is not None else self._verify_elsewhere()
+                verified = self._verify(digests, pushed) if digests is not None else self._verify_elsewhere()
             except SyncError:
                 if self._delta is not None:
                     self._delta.forget()
@@ -541,42 +578,33 @@ class WeightSync:
         """A rank that does not push takes part in the agreement on the pushing rank's verification."""
         failures = self._agree(None, "verify")
         if failures:
-            raise _agreed_error(None, failures, None)
+            raise agreed_error(None, failures, None)
         return VerifyResult()
 
 
-def _describe(failures: list[RankFailure]) -> str:
-    return "; ".join(f.describe() for f in failures)
+def _faulted(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream as the writer takes it, with the `write` fault point at every tensor."""
+    for name, tensor in stream:
+        fault_point("write", name=name)
+        yield name, tensor
 
 
-def _agreed_error(local: Exception | None, failures: list[RankFailure], engine: EngineState | None) -> SyncError:
-    """The one error every rank raises after a failed stage: this rank's own (its type kept where it is a
-    `SyncError`; chained to it) or `RemoteSyncError`, naming every failing rank, stage and error, and saying what
-    this rank's engine holds and what happens next."""
-    state = f" This rank's engine {engine.describe()}." if engine is not None else ""
-    parts = [f"The weight sync failed on {_describe(failures)}.{state}"]
-    if local is None:
-        parts.append("This rank did its part of every gather and stopped with the others.")
-    parts.append("The next sync sends every weight.")
-    message = " ".join(p for p in parts if p)
-    if local is None:
-        return RemoteSyncError(message, failures=tuple(failures), engine=engine)
-    cls = type(local) if isinstance(local, SyncError) else SyncStageError
-    error = cls(message, failures=tuple(failures), engine=engine)
-    error.__cause__ = local
-    return error
+def _stopped(rounds: Rounds) -> str:
+    if rounds.failed:
+        return f"this rank failed ({rounds.stage}: {type(rounds.error).__name__}: {rounds.error})"
+    return f"rank(s) {', '.join(map(str, rounds.stopped_by))} failed"
 
 
 def _as_gather_failure(error: Exception) -> Exception:
-    """What a gatherer raised, as the gather stage's failure: its own account (`GatherFailed`, a timed-out wait)
-    as it is; anything else means it died inside a collective it does not run itself (FSDP's own unshard)."""
+    """What escaped a gatherer, as the gather stage's failure: the flat gatherers record their own failures and
+    never raise them (a timed-out wait is passed on as it is), so anything else died inside a collective the
+    gatherer does not run itself (FSDP's own unshard)."""
     if isinstance(error, (GatherFailed, SyncTimeoutError)):
         return error
     failed = GatherFailed(
         f"{type(error).__name__}: {error} (this rank left the gather part-way, inside FSDP's own unshard: the other "
         "ranks may wait in that collective until the training process group's timeout; the flat strategies, the "
-        "default, run their collectives themselves and never leave one part-way)",
-        completed=False,
+        "default, run their collectives themselves and never leave one part-way)"
     )
     failed.__cause__ = error
     return failed

@@ -1,4 +1,5 @@
-"""The vLLM server routes a weight sync uses, each call bounded in time and never retried.
+"""The vLLM server routes a weight sync uses, each call bounded in time and never retried; every error is a
+`SyncError` (raised on every rank when the trainer is built, or agreed during a sync).
 
 Why not TRL's `VLLMClient` for these: it retries POSTs up to 5 times with exponential back-off (about a minute against
 a dead server) and builds NCCL only. A sync must fail within a known time, on every rank. The four weight-update
@@ -16,6 +17,8 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from fsdp_sync.compat.server_api import ROUTE_SINCE, ServerInfo, parse_server_info
 
+from .errors import SyncError
+
 __all__ = [
     "ServerClient",
     "ServerConfigError",
@@ -27,15 +30,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class ServerUnavailableError(ConnectionError):
+class ServerUnavailableError(SyncError):
     """The vLLM server cannot be reached (not started, wrong address, or it died)."""
 
 
-class ServerConfigError(RuntimeError):
+class ServerConfigError(SyncError):
     """The server runs, but not in a way a weight sync can use (no weight-transfer backend, no dev routes, ...)."""
 
 
-class ServerRequestError(RuntimeError):
+class ServerRequestError(SyncError):
     """The server answered a weight-sync request with an error; the message carries its answer."""
 
 

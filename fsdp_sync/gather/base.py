@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from fsdp_sync.compat.manifest import TensorSpec
 
+from ..distributed import Coordinator, Rounds, world_size
 from ..memory import MemoryMeter
 
-__all__ = ["FailureLatch", "GatherFailed", "Gatherer", "group_units", "local_named_parameters", "spec_of"]
-
-_T = TypeVar("_T")
-
-logger = logging.getLogger(__name__)
+__all__ = [
+    "GatherFailed",
+    "Gatherer",
+    "group_units",
+    "local_named_parameters",
+    "spec_of",
+    "sync_rounds",
+    "until_failed",
+]
 
 
 class Gatherer(Protocol):
@@ -38,9 +42,13 @@ class Gatherer(Protocol):
         `iter_full` yields them (transports that announce tensors before sending them rely on it)."""
         ...
 
-    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(
+        self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every parameter's full tensor once (or only those named in `select`; units holding none of them are
-        not gathered at all). Every rank must exhaust it, with the same `select`: it runs collectives."""
+        not gathered at all). Every rank must exhaust it, with the same `select`: it runs collectives. `rounds`:
+        the sync's status rounds (this rank's failures, and the rounds every rank runs between units, see
+        `Rounds`); the gatherer stops on every rank at the round after any rank failed."""
         ...
 
     def trainable(self) -> frozenset[str]:
@@ -55,80 +63,25 @@ class Gatherer(Protocol):
 
 
 class GatherFailed(RuntimeError):
-    """This rank's own gather work failed (the original error is the cause).
-
-    Attributes:
-        completed: True when this rank still ran every remaining collective of the gather, so no other rank waits
-            for it and the training process group stays usable; False when it left the gather part-way (inside
-            FSDP's own unshard), so the other ranks may wait in that collective until the process group's timeout.
-        placeholders: trainer names of the parameters whose all-gather this rank joined with placeholder data (its
-            own shard could not be prepared): the other ranks received undefined values for them.
-    """
-
-    def __init__(self, message: str, *, completed: bool, placeholders: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.completed = completed
-        self.placeholders = placeholders
+    """This rank left a gather part-way, inside a collective it does not run itself (FSDP's own unshard in the
+    `unit`/`root`/`param` strategies): the other ranks may wait in that collective until the training process
+    group's timeout. The original error is the cause."""
 
 
-class FailureLatch:
-    """Remembers the first failure of a gatherer's own (non-collective) work on this rank, so the gatherer can run
-    its remaining collectives, yield nothing more, and raise `GatherFailed` at the end."""
+def sync_rounds(rounds: Rounds | None, timeout_s: float = 600.0) -> Rounds:
+    """The sync's status rounds, or a gather's own when it is called outside a sync (every rank calls it at the same
+    point; the control group is created once per timeout)."""
+    if rounds is not None:
+        return rounds
+    return Rounds(Coordinator(timeout_s) if world_size() > 1 else None)
 
-    def __init__(self) -> None:
-        self.error: Exception | None = None
-        self.placeholders: list[str] = []
 
-    @property
-    def failed(self) -> bool:
-        return self.error is not None
-
-    def reset(self) -> None:
-        self.error = None
-        self.placeholders = []
-
-    def _record(self, error: Exception) -> None:
-        if self.error is None:
-            logger.error(
-                "weight sync: this rank's gather work failed; it runs the remaining all-gathers and then fails the "
-                "sync on every rank",
-                exc_info=error,
-            )
-            self.error = error
-        # NOTE: a stored traceback keeps its frames and their callers' frames alive, with their locals: here the
-        # gatherer's own frames, which hold the unit's buffers and the in-flight Work (measured: a gathered buffer
-        # pinned for the whole gather, and gloo's release wait running into its 1 s bound). It was logged above.
-        error.__traceback__ = None
-
-    def run(self, work: Callable[[], _T]) -> _T | None:
-        """Work that only this rank needs (after a collective): `work()`, or None when it raises (recorded) or when
-        a failure was recorded before (then it is not run: this rank yields nothing more)."""
-        if self.error is not None:
-            return None
-        try:
-            return work()
-        except Exception as e:
-            self._record(e)
-            return None
-
-    def attempt(self, work: Callable[[], _T], names: list[str]) -> _T | None:
-        """Work whose result the other ranks receive (a shard before its all-gather): always tried, even after a
-        failure, so that the other ranks get real data wherever this rank can still provide it; None when it
-        raises (recorded, and `names` listed as joined with placeholders)."""
-        try:
-            return work()
-        except Exception as e:
-            self._record(e)
-            self.placeholders += names
-            return None
-
-    def raise_if_failed(self, *, completed: bool) -> None:
-        if self.error is not None:
-            error, placeholders = self.error, tuple(self.placeholders)
-            self.reset()
-            raise GatherFailed(
-                f"{type(error).__name__}: {error}", completed=completed, placeholders=placeholders
-            ) from error
+def until_failed(rounds: Rounds, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`items`, until this rank has failed (the consumer stopped): nothing more is handed on after that."""
+    for item in items:
+        if rounds.failed:
+            return
+        yield item
 
 
 def spec_of(param: torch.Tensor) -> TensorSpec:

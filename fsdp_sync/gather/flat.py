@@ -10,23 +10,24 @@ these gatherers run the collective themselves, on the unit's process group, read
 Peak memory: the unit being pushed plus the next one being gathered, when that one is no larger than the configured
 `prefetch_bytes` (the "bucket"); larger units are gathered after the push of the previous one.
 
-Failures on one rank: these gatherers run every collective themselves, so when this rank's own work fails (reading
-or casting its shard, unflattening a gathered unit), it keeps running the remaining all-gathers of the sync, yields
-nothing more, and raises `GatherFailed` at the end. A shard it cannot prepare is replaced by a placeholder of the
-same size (the other ranks then receive undefined values for that unit, and `GatherFailed.placeholders` names
-them); later shards are still prepared, so the other ranks get real data wherever this rank can give it. No other
-rank waits for a collective this rank does not enter, and the training process group stays usable. On gloo each wait is
-bounded by the sync's timeout (`SyncConfig.sync_timeout_s`); NCCL's waits are bounded by NCCL itself.
+Failures on one rank (README "Failure behaviour"): the gatherers run the sync's status rounds (`Rounds`) around
+every unit. A unit's all-gather starts only after every rank said its shard and output buffer are ready, and a
+gathered unit is handed on only after every rank said its all-gather arrived; a failure anywhere on any rank
+(here, or downstream: the mapping, the merge, the cast, the engine) stops every rank at the next round. So no rank
+waits in an all-gather that another rank left, and no rank hands on a unit gathered with another rank's part
+missing: there are no placeholder values. An all-gather call that raises after its round is joined again with a
+zero shard of the same size (the other ranks are in it), and the unit is not handed on anywhere.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,13 +37,21 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_sync.compat.manifest import CASTABLE_DTYPES, TensorSpec
 
+from ..distributed import Rounds
 from ..errors import SyncTimeoutError
+from ..faults import fault_point
 from ..memory import MemoryMeter
-from .base import FailureLatch, local_named_parameters, spec_of
+from .base import local_named_parameters, spec_of, sync_rounds
 from .fsdp1 import _FSDP1Base
 from .fsdp2 import _full_tensor, fsdp2_local_shards, fsdp2_trainable, fsdp2_units
 
 __all__ = ["FSDP1FlatGatherer", "FSDP2FlatGatherer"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_P = TypeVar("_P")  # what `prepare` returns
+_L = TypeVar("_L")  # what `launch` returns
 
 
 def _gather_dtype(dtype: torch.dtype, engine_dtype: torch.dtype | None) -> torch.dtype:
@@ -99,57 +108,131 @@ class _InFlight:
         return self.out
 
 
+@dataclass
+class _Gather:
+    """One prepared all-gather: this rank's shard, the output buffer (None: the shard is the full tensor), group."""
+
+    local: torch.Tensor
+    out: torch.Tensor | None
+    group: dist.ProcessGroup | None
+
+
 def _gloo() -> bool:
     """Whether the collectives run on gloo, whose worker thread may outlive `wait()` holding the output."""
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
 
 
-def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, world: int, settle: bool) -> _InFlight:
-    """Start an async all-gather of a 1-D tensor (equal size on every rank) into a new buffer.
-
-    With one rank the shard is the full tensor: it is returned as is (no collective, no copy).
-    """
-    if world == 1:
-        return _InFlight(None, local)
-    out = torch.empty(local.numel() * world, dtype=local.dtype, device=local.device)
-    work = dist.all_gather_into_tensor(out, local.contiguous(), group=group, async_op=True)
-    return _InFlight(work, out, settle)
+def _always(rounds: Rounds, work: Callable[[], _T]) -> _T | None:
+    """`work()` even after this rank failed (it completes collectives the other ranks are in); an error is recorded
+    and None returned (a timed-out wait ends the rounds: `Rounds.fail`)."""
+    try:
+        return work()
+    except Exception as e:
+        rounds.fail("gather", e)
+        return None
 
 
 def _pipelined(
     visits: list[int],
-    start: Callable[[int], object],
-    finish: Callable[[int, object], Iterator],
+    prepare: Callable[[int], _P],
+    launch: Callable[[int, _P], _L],
+    collect: Callable[[int, _L], list[tuple[str, torch.Tensor]]],
     sizes: list[int],
     limit: int,
-    latch: FailureLatch,
+    rounds: Rounds,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield each visit k's tensors from `finish(k, start(k))`, in the order of `visits`, starting the next visit's
-    gather before that when it fits in `limit` bytes (so at most one unit plus `limit` bytes are gathered at once).
-    Once `latch` holds a failure, `start` and `finish` only run the collectives; at the end the failure is raised
-    (`GatherFailed`)."""
+    """Gather and hand on each visit k, in the order of `visits`, with a status round before every launch and
+    before every hand-off (see the module docstring).
+
+    `prepare(k)` is this rank's own work before visit k's all-gather (its shard, its output buffer), `launch(k, p)`
+    starts the collectives, `collect(k, l)` waits for them and returns the full tensors. When the next visit fits in
+    `limit` bytes it is prepared while the current one is in flight, and one round then says both whether every
+    rank's part of the current visit was real and whether every rank is ready for the next: that round travels while
+    the current all-gather does (off the critical path), and the next all-gather runs during the current push.
+    Larger visits are prepared after the push, behind a round of their own. Returns early, on every rank at the same
+    round, once any rank has failed.
+    """
     n = len(visits)
-    pending = start(visits[0]) if n else None
+    if not n:
+        return
+    ready = rounds.attempt("gather", lambda: prepare(visits[0]))
+    if not rounds.go_on():  # every rank's first shard and buffer are ready
+        return
+    launched = launch(visits[0], ready)  # type: ignore[arg-type]
+    # NOTE: every reference to a unit's buffers is dropped as soon as it is no longer needed (the prepared shards,
+    # the collected items): a buffer kept by this frame while the next unit is allocated would hold two at once.
+    ready = None
     for i, k in enumerate(visits):
-        early = i + 1 < n and sizes[visits[i + 1]] <= limit
-        following = start(visits[i + 1]) if early else None
-        yield from finish(k, pending)
-        pending = None  # release visit k's buffer before a late start allocates the next one
-        if i + 1 < n:
-            pending = following if early else start(visits[i + 1])
-    latch.raise_if_failed(completed=True)
+        following = visits[i + 1] if i + 1 < n else None
+        early = following is not None and sizes[following] <= limit
+        if early:
+            ready = rounds.attempt("gather", lambda: prepare(following))  # type: ignore[arg-type]
+        # This rank's part of visit k was real (its launch did not fall back to zeros), the next visit is ready,
+        # nothing downstream failed: said while visit k's all-gather completes.
+        started = rounds.start()
+        items = _always(rounds, lambda: collect(k, launched))
+        launched = None
+        if not rounds.finish(started):
+            return
+        if early:
+            launched = launch(following, ready)  # type: ignore[arg-type]
+            ready = None
+        for item in items or ():
+            if rounds.failed:  # this rank's collect or its consumer failed: hand on nothing more (said next round)
+                break
+            yield item
+            del item
+        items = None
+        if following is not None and not early:
+            ready = rounds.attempt("gather", lambda: prepare(following))  # type: ignore[arg-type]
+            if not rounds.go_on():
+                return
+            launched = launch(following, ready)  # type: ignore[arg-type]
+            ready = None
+
+
+def _launch_or_join(
+    rounds: Rounds,
+    k: int,
+    units: int,
+    gathers: list[tuple[torch.Tensor, torch.Tensor]],
+    group: dist.ProcessGroup | None,
+) -> list[dist.Work | None]:
+    """Start one all-gather per `(output, local shard)` of visit k. A launch that raises is recorded, and it and the
+    rest are joined with zero shards of the same size: every other rank has agreed to start them and is in them."""
+    works: list[dist.Work | None] = []
+    zeros = False
+    for index, (out, local) in enumerate(gathers):
+        if not zeros:
+            try:
+                fault_point("gather.launch", unit=k, units=units, index=index)
+                works.append(dist.all_gather_into_tensor(out, local, group=group, async_op=True))
+                continue
+            except Exception as e:
+                rounds.fail("gather", e)
+                zeros = True
+        try:
+            works.append(dist.all_gather_into_tensor(out, torch.zeros_like(local), group=group, async_op=True))
+        except Exception as e:  # noqa: BLE001 - the first error is the one reported
+            logger.error("weight sync: could not join an all-gather after a failed launch; the other ranks wait in "
+                         "it until SyncConfig.sync_timeout_s: %s", e)  # fmt: skip
+            works.append(None)
+    return works
 
 
 class _FlatBase:
-    """What both flat gatherers share: the failure latch, the bound on waits, gloo's buffer settling."""
+    """What both flat gatherers share: the bound on waits, gloo's buffer settling, the status rounds."""
 
     def _init_flat(self, timeout_s: float | None) -> None:
         self._settle = _gloo()
+        self._timeout_s = 600.0 if timeout_s is None else timeout_s
         # NOTE: a bounded `wait(timeout)` is a blocking wait; on NCCL it would also make the host wait for the
         # device, so NCCL's waits keep their own bound (the process group's timeout and watchdog).
         bounded = self._settle and timeout_s is not None
         self._timeout = datetime.timedelta(seconds=timeout_s) if bounded else None
-        self._latch = FailureLatch()
+
+    def _rounds(self, rounds: Rounds | None) -> Rounds:
+        return sync_rounds(rounds, self._timeout_s)
 
 
 class FSDP1FlatGatherer(_FSDP1Base, _FlatBase):
@@ -183,59 +266,58 @@ class FSDP1FlatGatherer(_FSDP1Base, _FlatBase):
             for _, params in self._units
         ]
 
-    def _prepare(self, k: int) -> torch.Tensor:
-        """This rank's shard of unit k, on the compute device, in the gather dtype (this rank's own work)."""
-        flat = self._units[k][0]._handle.flat_param.detach()
-        if self.compute_device is not None:
-            flat = flat.to(self.compute_device)
-        return flat.to(_gather_dtype(flat.dtype, self.engine_dtype))
-
-    def _start(self, k: int) -> _InFlight:
+    def _prepare(self, k: int) -> _Gather | None:
+        """This rank's shard of unit k, on the compute device, in the gather dtype, and the unit's output buffer
+        (this rank's own work); None for a unit with nothing to gather."""
+        fault_point("gather.prepare", unit=self._order[k], units=len(self._order))
         unit, params = self._units[k]
         handle = unit._handle
         if handle is None or not params:
-            return _InFlight(None, torch.empty(0))
+            return None
+        flat = handle.flat_param.detach()
+        if self.compute_device is not None:
+            flat = flat.to(self.compute_device)
+        local = flat.to(_gather_dtype(flat.dtype, self.engine_dtype))
         world = dist.get_world_size(handle.process_group) if handle.uses_sharded_strategy else 1
-        local = self._latch.attempt(lambda: self._prepare(k), [name for name, _, _ in params])
-        if local is None:  # this rank failed: join the all-gather with a placeholder of the same size
-            if world == 1:
-                return _InFlight(None, torch.empty(0))
-            flat = handle.flat_param
-            dtype = _gather_dtype(flat.dtype, self.engine_dtype)
-            local = torch.empty(flat.numel(), dtype=dtype, device=self.compute_device or flat.device)
-        return _all_gather(local, handle.process_group, world, self._settle)
+        if world == 1:  # the shard is the full flat parameter: no collective, no copy
+            return _Gather(local, None, handle.process_group)
+        out = torch.empty(local.numel() * world, dtype=local.dtype, device=local.device)
+        self._meter.hold_until_freed(out)
+        return _Gather(local.contiguous(), out, handle.process_group)
 
-    def _views(self, k: int, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        unit, params = self._units[k]
-        handle = unit._handle
-        numel = handle.flat_param._unpadded_unsharded_size.numel()
-        views = handle._get_unflat_views(full[:numel])
-        return [(name, view) for (name, _, _), view in zip(params, views, strict=True)]
+    def _launch(self, k: int, prepared: _Gather | None) -> _InFlight | None:
+        if prepared is None:
+            return None
+        if prepared.out is None:
+            return _InFlight(None, prepared.local)
+        (work,) = _launch_or_join(self._run, self._order[k], len(self._order), [(prepared.out, prepared.local)],
+                                  prepared.group)  # fmt: skip
+        return _InFlight(work, prepared.out, self._settle)
 
-    def _finish(self, k: int, pending: _InFlight, select: frozenset[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
-        if not self._units[k][1]:
-            return
+    def _collect(self, k: int, pending: _InFlight | None) -> list[tuple[str, torch.Tensor]]:
+        if pending is None:
+            return []
         full = pending.wait(self._timeout)
-        items = self._latch.run(functools.partial(self._views, k, full))
-        del full
-        yield from ((name, view) for name, view in items or () if select is None or name in select)
+        fault_point("gather.unflatten", unit=self._order[k], units=len(self._order))
+        unit, params = self._units[k]
+        numel = unit._handle.flat_param._unpadded_unsharded_size.numel()
+        views = unit._handle._get_unflat_views(full[:numel])
+        select = self._select
+        pairs = zip(params, views, strict=True)
+        return [(name, view) for (name, _, _), view in pairs if select is None or name in select]
 
-    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        self._latch.reset()
-
-        def start(k: int) -> _InFlight:
-            pending = self._start(k)
-            if pending.work is not None:  # a new buffer (with one rank the shard itself is used)
-                meter.hold_until_freed(pending.out)
-            return pending
-
-        def finish(k: int, pending: _InFlight) -> Iterator[tuple[str, torch.Tensor]]:
-            return self._finish(k, pending, select)
-
+    def iter_full(
+        self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self._meter, self._select, self._run = meter, select, self._rounds(rounds)
         # NOTE: a flat parameter is gathered whole: a unit with any selected parameter is visited entire.
-        visits = [k for k, (_, params) in enumerate(self._units) if select is None or any(n in select for n, _, _ in params)]
-        yield from _pipelined(visits, start, finish, self._sizes, self.prefetch_bytes, self._latch)
-        yield from self._iter_ignored(select)
+        visits = [k for k, (_, ps) in enumerate(self._units) if select is None or any(n in select for n, _, _ in ps)]
+        self._order = {k: i for i, k in enumerate(visits)}  # position in this gather, for the fault points
+        yield from _pipelined(
+            visits, self._prepare, self._launch, self._collect, self._sizes, self.prefetch_bytes, self._run
+        )
+        if not self._run.stopped and not self._run.failed:
+            yield from self._iter_ignored(select)
 
 
 @dataclass(frozen=True)
@@ -294,6 +376,9 @@ class FSDP2FlatGatherer(_FlatBase):
         self.compute_device = compute_device
         self.prefetch_bytes = prefetch_bytes
         planned = dict(model.named_parameters())
+        # NOTE: by name once, not one `get_parameter` (a module walk) per parameter and sync; FSDP2 keeps the
+        # parameter objects (its DTensors) for the module's lifetime.
+        self._params = planned
         units = fsdp2_units(model)
         if not units:
             raise ValueError(f"{type(model).__name__} contains no FSDP2 (fully_shard) unit")
@@ -330,15 +415,21 @@ class FSDP2FlatGatherer(_FlatBase):
         return fsdp2_local_shards(self.model, self._specs if names is None else names)
 
     @torch.no_grad()
+    def _cast(self, local: torch.Tensor, slot: _Slot) -> torch.Tensor:
+        """A local shard on the compute device, in the wire dtype."""
+        if self.compute_device is not None:
+            local = local.to(self.compute_device)
+        return local.to(slot.dtype)
+
     def _local(self, slot: _Slot) -> torch.Tensor:
         """This rank's shard of one parameter as a 1-D tensor of `slot.rows` rows in its wire dtype (padded if
         short)."""
         # Detached: a tensor that required grad would make the collective's in-place writes illegal.
-        local = self.model.get_parameter(slot.name).to_local().detach()
+        local = self._params[slot.name].to_local().detach()
+        if local.shape[0] == slot.rows:
+            return self._cast(local, slot).contiguous().view(-1)
         if self.compute_device is not None:
             local = local.to(self.compute_device)
-        if local.shape[0] == slot.rows:
-            return local.to(slot.dtype).contiguous().view(-1)
         padded = torch.empty(slot.local_numel, dtype=slot.dtype, device=local.device)
         padded[: local.numel()].copy_(local.reshape(-1))  # the padding rows are never read back
         return padded
@@ -348,83 +439,70 @@ class FSDP2FlatGatherer(_FlatBase):
         select = self._select
         return [s for s in self._visits[k].slots if select is None or s.name in select]
 
-    def _prepare(self, k: int) -> list[torch.Tensor]:
-        """This rank's shards of unit k's flat-gathered parameters, in slot order (this rank's own work)."""
-        return [self._local(slot) for slot in self._slots(k)]
-
-    def _placeholder(self, slot: _Slot) -> torch.Tensor:
-        device = self.compute_device or self.model.get_parameter(slot.name).to_local().device
-        return torch.empty(slot.local_numel, dtype=slot.dtype, device=device)
-
-    def _start(self, k: int) -> list[tuple[_Slot, _InFlight]]:
+    def _prepare(self, k: int) -> list[tuple[_Slot, torch.Tensor, torch.Tensor | None]]:
+        """This rank's shard of each of unit k's flat-gathered parameters, in slot order, with its output buffer
+        (None where the local shard is the full parameter): this rank's own work."""
+        fault_point("gather.prepare", unit=self._order[k], units=len(self._order))
         visit = self._visits[k]
-        if visit.mesh is None or visit.mesh.size() == 1:  # nothing to gather: `_finish` reads the local shards
-            return []
-        world, group = visit.mesh.size(), visit.mesh.get_group()
-        # This rank's own work first, then every collective of the unit: a failure of the former must not leave a
-        # unit's collectives half-launched (the rest would pair with the next unit's on the other ranks).
-        slots = self._slots(k)
-        shards = self._latch.attempt(lambda: self._prepare(k), [slot.name for slot in slots])
-        if shards is None:  # this rank failed: join the all-gathers with placeholders of the same sizes
-            shards = [self._placeholder(slot) for slot in slots]
-        started: list[tuple[_Slot, _InFlight]] = []
-        for slot, local in zip(slots, shards, strict=True):
-            # NOTE: one output per parameter, not one per unit: a consumer still holding a unit's last tensor
-            # while it asks for the next unit then pins one parameter, not the whole unit.
+        world = visit.mesh.size() if visit.mesh is not None else 1
+        if world == 1:  # the local shards are the full parameters, in their own shape: nothing to gather
+            params = self._params
+            return [(slot, self._cast(params[slot.name].to_local().detach(), slot), None) for slot in self._slots(k)]
+        prepared: list[tuple[_Slot, torch.Tensor, torch.Tensor | None]] = []
+        for slot in self._slots(k):
+            local = self._local(slot)
+            # NOTE: one output per parameter, not one per unit: a consumer still holding a unit's last tensor while
+            # it asks for the next unit then pins one parameter, not the whole unit.
             out = torch.empty(world * local.numel(), dtype=slot.dtype, device=local.device)
-            work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
-            started.append((slot, _InFlight(work, out, self._settle)))
-        return started
+            self._meter.hold_until_freed(out)
+            prepared.append((slot, local, out))
+        return prepared
 
-    def _full(self, k: int, outs: list[tuple[_Slot, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        visit = self._visits[k]
-        if visit.mesh is not None and visit.mesh.size() == 1:  # the local shards are the full tensors
-            return {s.name: self.model.get_parameter(s.name).to_local().detach().to(s.dtype) for s in self._slots(k)}
-        return {slot.name: out[: slot.shape[0] * slot.row_numel].view(slot.shape) for slot, out in outs}
+    def _launch(
+        self, k: int, prepared: list[tuple[_Slot, torch.Tensor, torch.Tensor | None]]
+    ) -> list[tuple[_Slot, _InFlight]]:
+        gathers = [(out, local) for _, local, out in prepared if out is not None]
+        if not gathers:  # nothing to gather: the local shards are the full parameters
+            return [(slot, _InFlight(None, local)) for slot, local, _ in prepared]
+        works = _launch_or_join(self._run, self._order[k], len(self._order), gathers, self._visits[k].mesh.get_group())
+        pairs = zip(prepared, works, strict=True)
+        return [(slot, _InFlight(work, out, self._settle)) for (slot, _, out), work in pairs]
 
-    def _finish(
-        self, k: int, pending: list[tuple[_Slot, _InFlight]], meter: MemoryMeter
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _collect(self, k: int, pending: list[tuple[_Slot, _InFlight]]) -> list[tuple[str, torch.Tensor]]:
+        """Wait for unit k's all-gathers and return its full tensors in yield order; the parameters that are not
+        flat-gathered are materialised here, before the round (each `full_tensor()` is a collective of its own)."""
         visit = self._visits[k]
-        outs = [(slot, in_flight.wait(self._timeout)) for slot, in_flight in pending]
+        outs = {slot.name: (slot, in_flight.wait(self._timeout)) for slot, in_flight in pending}
         pending.clear()
-        full = self._latch.run(functools.partial(self._full, k, outs)) or {}
-        del outs
-        others = set(visit.others)
+        fault_point("gather.unflatten", unit=self._order[k], units=len(self._order))
         select = self._select
+        items: list[tuple[str, torch.Tensor]] = []
         for name in visit.names:
             if select is not None and name not in select:
                 continue
-            if name in others:  # materialised one by one (a collective for DTensors: runs after a failure too)
-                tensor = _full_tensor(self.model.get_parameter(name), self.compute_device, meter)
-                if not self._latch.failed:
-                    yield name, tensor
-                del tensor
-            elif not self._latch.failed:
-                yield name, full.pop(name)
+            if name in outs:
+                slot, out = outs.pop(name)
+                full = out if out.shape == slot.shape else out[: slot.shape[0] * slot.row_numel].view(slot.shape)
+                items.append((name, full))
+            else:
+                items.append((name, _full_tensor(self.model.get_parameter(name), self.compute_device, self._meter)))
+        return items
 
     def trainable(self) -> frozenset[str]:
         return fsdp2_trainable(self.model, self._specs)
 
-    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        self._latch.reset()
-        self._select = select
-
-        def start(k: int) -> list[tuple[_Slot, _InFlight]]:
-            started = self._start(k)
-            for _, pending in started:
-                meter.hold_until_freed(pending.out)
-            return started
-
-        def finish(k: int, pending: list[tuple[_Slot, _InFlight]]) -> Iterator[tuple[str, torch.Tensor]]:
-            return self._finish(k, pending, meter)
-
-        visits = [k for k, v in enumerate(self._visits) if select is None or any(n in select for n in v.names)]
+    def iter_full(
+        self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self._meter, self._select, self._run = meter, select, self._rounds(rounds)
+        # Units that own no parameter this sync sends (accelerate's FSDP2 wrap has some) are not visited.
+        visits = [k for k, v in enumerate(self._visits) if any(select is None or n in select for n in v.names)]
+        self._order = {k: i for i, k in enumerate(visits)}  # position in this gather, for the fault points
         sizes = [
             sum(v.mesh.size() * s.local_numel * s.dtype.itemsize for s in self._slots(k)) if v.slots else 0
             for k, v in enumerate(self._visits)
         ]
-        yield from _pipelined(visits, start, finish, sizes, self.prefetch_bytes, self._latch)
+        yield from _pipelined(visits, self._prepare, self._launch, self._collect, sizes, self.prefetch_bytes, self._run)
 
 
 def _flat_gatherable(param: torch.Tensor) -> bool:

@@ -23,8 +23,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from fsdp_sync.compat.manifest import TensorSpec
 
+from ..distributed import Rounds
+from ..faults import fault_point
 from ..memory import MemoryMeter
-from .base import group_units
+from .base import group_units, sync_rounds, until_failed as _until_failed
 
 __all__ = ["FSDP1RootSummonGatherer", "FSDP1UnitGatherer", "fsdp1_units"]
 
@@ -151,7 +153,10 @@ class FSDP1UnitGatherer(_FSDP1Base):
     strategy = "fsdp1-unit"
     tensors_outlive_step = False
 
-    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(
+        self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        run = sync_rounds(rounds)
         # NOTE: before the root's lazy initialisation (its first forward or summon) the root unit is summoned even
         # when none of its parameters is selected: summoning a nested unit first is the seed bug. FSDP1 records it
         # in `_is_root` (None until initialised; torch 2.0-2.13).
@@ -159,6 +164,10 @@ class FSDP1UnitGatherer(_FSDP1Base):
         for i, visit in enumerate(self._visits):
             if not self._selected(visit, select) and not (i == 0 and root_pending):
                 continue
+            # A round before each summon (FSDP's own all-gather, which a rank must not be left alone in).
+            run.attempt("gather", lambda: fault_point("gather.prepare", unit=i, units=len(self._visits)))
+            if not run.go_on():
+                return
             nbytes = _visit_bytes(visit)
             with contextlib.ExitStack() as stack:
                 # NOTE: the first unit is the root; summoning it first runs the lazy init from the true root (see
@@ -167,10 +176,11 @@ class FSDP1UnitGatherer(_FSDP1Base):
                     stack.enter_context(FSDP.summon_full_params(unit, recurse=False, writeback=False))
                 meter.hold(nbytes)
                 try:
-                    yield from self._iter_visit(visit, select)
+                    yield from _until_failed(run, self._iter_visit(visit, select))
                 finally:
                     meter.release(nbytes)
-        yield from self._iter_ignored(select)
+        if run.go_on():
+            yield from _until_failed(run, self._iter_ignored(select))
 
 
 class FSDP1RootSummonGatherer(_FSDP1Base):
@@ -179,17 +189,23 @@ class FSDP1RootSummonGatherer(_FSDP1Base):
     strategy = "fsdp1-root"
     tensors_outlive_step = True  # all storage stays alive until the generator is exhausted
 
-    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(
+        self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        run = sync_rounds(rounds)
         paths = [p for p, _ in self.units]
         roots = [unit for path, unit in self.units if not any(_is_ancestor(q, path) for q in paths)]
         nbytes = sum(_visit_bytes(visit) for visit in self._visits)
+        run.attempt("gather", lambda: fault_point("gather.prepare", unit=0, units=1))
+        if not run.go_on():  # a round before the summon (FSDP's own all-gathers)
+            return
         with contextlib.ExitStack() as stack:
             for root in roots:
                 stack.enter_context(FSDP.summon_full_params(root, recurse=True, writeback=False))
             meter.hold(nbytes)
             try:
                 for visit in self._visits:
-                    yield from self._iter_visit(visit, select)
-                yield from self._iter_ignored(select)
+                    yield from _until_failed(run, self._iter_visit(visit, select))
+                yield from _until_failed(run, self._iter_ignored(select))
             finally:
                 meter.release(nbytes)

@@ -18,8 +18,10 @@ from torch.distributed.tensor import DTensor
 from fsdp_sync.compat.manifest import TensorSpec
 from fsdp_sync.compat.torch_api import fsdp2_param_groups
 
+from ..distributed import Rounds
+from ..faults import fault_point
 from ..memory import MemoryMeter
-from .base import group_units, local_named_parameters, spec_of
+from .base import group_units, local_named_parameters, spec_of, sync_rounds
 
 __all__ = ["FSDP2ParamGatherer", "FSDP2UnitGatherer", "fsdp2_local_shards", "fsdp2_trainable", "fsdp2_units"]
 
@@ -89,10 +91,20 @@ class FSDP2ParamGatherer:
     def specs(self) -> dict[str, TensorSpec]:
         return {name: spec_of(p) for name, p in self.model.named_parameters()}
 
-    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(
+        self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        # NOTE: one round before the first all-gather only: a round per parameter would cost a collective each.
+        # A rank that fails later runs every remaining `full_tensor()` before the ranks agree (`WeightSync._push`).
+        run = sync_rounds(rounds)
+        run.attempt("gather", lambda: fault_point("gather.prepare", unit=0, units=1))
+        if not run.go_on():
+            return
         for name, param in self.model.named_parameters():
             if select is None or name in select:
-                yield name, _full_tensor(param, self.compute_device, meter)
+                tensor = _full_tensor(param, self.compute_device, meter)
+                if not run.failed:
+                    yield name, tensor
 
     def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return fsdp2_local_shards(self.model, self.specs() if names is None else names)
@@ -159,14 +171,23 @@ class FSDP2UnitGatherer:
     def trainable(self) -> frozenset[str]:
         return fsdp2_trainable(self.model, self._specs)
 
-    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for to_unshard, visit_names in self._visits:
+    def iter_full(
+        self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        run = sync_rounds(rounds)
+        for k, (to_unshard, visit_names) in enumerate(self._visits):
             names = [n for n in visit_names if select is None or n in select]
             if not names:
                 continue
+            # A round before each unit's all-gathers (FSDP's own, or `full_tensor()`).
+            run.attempt("gather", lambda: fault_point("gather.prepare", unit=k, units=len(self._visits)))
+            if not run.go_on():
+                return
             if not to_unshard:
                 for name in names:
-                    yield name, _full_tensor(self.model.get_parameter(name), self.compute_device, meter)
+                    tensor = _full_tensor(self.model.get_parameter(name), self.compute_device, meter)
+                    if not run.failed:  # a failed rank still runs the unit's collectives
+                        yield name, tensor
                 continue
             for unit in to_unshard:
                 unit.unshard()
@@ -177,7 +198,9 @@ class FSDP2UnitGatherer:
                 meter.hold(nbytes)
                 try:
                     for name, param in full:
-                        yield name, _full_tensor(param, self.compute_device, meter)
+                        tensor = _full_tensor(param, self.compute_device, meter)
+                        if not run.failed:
+                            yield name, tensor
                 finally:
                     meter.release(nbytes)
             finally:

@@ -9,6 +9,8 @@ from torch import nn
 
 from fsdp_sync.compat.manifest import TensorSpec
 
+from ..distributed import Rounds
+from ..faults import fault_point
 from ..memory import MemoryMeter
 from .base import spec_of
 
@@ -30,8 +32,15 @@ class PlainGatherer:
     def specs(self) -> dict[str, TensorSpec]:
         return {name: spec_of(p) for name, p in self.model.named_parameters()}
 
-    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(
+        self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        # No collective here: nothing to agree on between ranks (the sync's final agreement covers the push).
+        if rounds is not None:
+            rounds.attempt("gather", lambda: fault_point("gather.prepare", unit=0, units=1))
         for name, param in self.model.named_parameters():
+            if rounds is not None and rounds.failed:
+                return
             if select is None or name in select:
                 yield name, param.detach()
 

@@ -78,18 +78,29 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--kill-trainer", action="store_true", help="fault injection: SIGKILL rank 0 itself instead of the server"
     )
     p.add_argument("--kill-at-sync", type=int, default=1, help="fault injection: index of the sync to kill it in")
-    p.add_argument("--kill-at-chunk", type=int, default=2, help="fault injection: gloo chunk index to kill it at")
     p.add_argument(
-        "--fault",
+        "--kill-at-tensor", type=int, default=20, help="fault injection: the tensor of that sync to kill it at"
+    )
+    p.add_argument(
+        "--inject",
         action="append",
         default=[],
-        metavar="STAGE:WHERE:SYNC:RANKS",
-        help="fault injection, repeatable: STAGE gather (this rank's shard of a unit cannot be prepared) or push (the "
-        "engine fails on a tensor); WHERE early or late (first or last unit / tensor), or for push a tensor name to "
-        "fail on (e.g. model.layers.0.self_attn.v_proj.weight); SYNC the 0-based index of the sync; RANKS a "
-        "comma-separated list or 'all'. A failed sync is recorded, its engine-state claim checked (with --check), "
-        "and training goes on (the mixin syncs again before generating).",
+        metavar="POINT:SYNC:RANKS[:WHERE]",
+        help="fault injection through fsdp_sync.faults, repeatable: POINT a name of FAULT_POINTS; SYNC the 0-based "
+        "index of the sync; RANKS a comma-separated list or 'all'; WHERE which call of the point fails in that sync: "
+        "'first' (default), an index N, 'last' (the last unit, for gather points) or a tensor name. A failed sync is "
+        "recorded, its engine-state claim checked (with --check), and training goes on (the mixin syncs again "
+        "before generating).",
     )
+    p.add_argument(
+        "--soak",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N faults at random points on random ranks (seeded by --seed, the same on every rank), one every other "
+        "sync, each followed by the mixin's clean retry; sets --steps to N + 1",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the --soak plan's seed")
     p.add_argument(
         "--vllm-weight-transfer-from",
         default=None,
@@ -277,11 +288,13 @@ class EngineChecker:
         packed = packed_modules(handle.model)
         to_engine = engine_name_mapper(handle.model)
         checkpoint = by_engine_name(expected_checkpoint_state(self._full_model()), to_engine)
-        undefined = set(by_engine_name(dict.fromkeys(state.undefined), to_engine))
+        undefined = set(by_engine_name(dict.fromkeys(state.undefined), to_engine)) if state is not None else set()
         problems: list[str] = []
         counts = {"previous": 0, "new": 0, "undefined": 0, "unchecked": 0}
         for name, value in after.items():
-            if name in state.previous:
+            if value.is_floating_point() and not bool(value.isfinite().all()):
+                problems.append(f"{name}: holds NaN or Inf")
+            if state is not None and name in state.previous:
                 counts["previous"] += 1
                 if not torch_equal(value, before[name]):
                     problems.append(f"{name}: said to hold its previous value, but differs from it")
@@ -296,13 +309,16 @@ class EngineChecker:
             if expected is None:
                 counts["unchecked"] += 1
                 continue
-            if state.status == "unchanged":
+            if state is not None and state.status == "unchanged":
                 counts["previous"] += 1
                 if not torch_equal(value, before[name]):
                     problems.append(f"{name}: the engine was said to be unchanged, but this weight changed")
                 continue
-            counts["new"] += 1
-            if not torch_equal(value, expected.to(handle.dtype)):
+            if torch_equal(value, expected.to(handle.dtype)):
+                counts["new"] += 1
+            elif state is None and torch_equal(value, before[name]):
+                counts["previous"] += 1
+            else:
                 problems.append(f"{name}: said to hold the new value, but differs from the trainer's full weight")
         return {"problems": problems, "counts": counts}
 
@@ -365,6 +381,47 @@ class ServerChecker:
         full.float()
         return problems
 
+    def snapshot(self) -> dict[str, str]:
+        from fsdp_sync.testing.vllm_server import server_weight_digests
+
+        return server_weight_digests(self.client.base_url)
+
+    def check_claim(self, before: dict[str, str], state: Any) -> dict[str, Any]:
+        """After a failed sync: every server weight must hold its previous value (its digest before the sync) or
+        its new one (the trainer's full weight): never a third, and all previous when the error says unchanged."""
+        from fsdp_sync.compat.engine_api import engine_model_class, engine_name_mapper, packed_modules_for_architectures
+        from fsdp_sync.testing.engine import (
+            by_engine_name,
+            expected_checkpoint_state,
+            expected_engine_tensor,
+            tensor_digest,
+        )
+        from fsdp_sync.testing.vllm_server import server_weight_digests
+
+        full, _ = full_reference_model(self.trainer, self.peft_config)
+        architectures = list(full.config.architectures)
+        checkpoint = by_engine_name(
+            expected_checkpoint_state(full), engine_name_mapper(engine_model_class(architectures))
+        )
+        packed = packed_modules_for_architectures(architectures)
+        problems: list[str] = []
+        counts = {"previous": 0, "new": 0, "undefined": 0, "unchecked": 0}
+        for name, digest in server_weight_digests(self.client.base_url).items():
+            expected = expected_engine_tensor(name, checkpoint, packed)
+            if expected is None:
+                counts["unchecked"] += 1
+                continue
+            if state is not None and state.status == "unchanged" and digest != before.get(name):
+                problems.append(f"{name}: the server was said to be unchanged, but this weight changed")
+            elif digest == tensor_digest(expected.to(self.info.dtype)):
+                counts["new"] += 1
+            elif digest == before.get(name):
+                counts["previous"] += 1
+            else:
+                counts["undefined"] += 1
+                problems.append(f"{name}: holds neither its previous nor its new value")
+        return {"problems": problems, "counts": counts}
+
     def __call__(self) -> None:
         from fsdp_sync.compat.engine_api import engine_model_class, engine_name_mapper, packed_modules_for_architectures
         from fsdp_sync.testing.engine import by_engine_name, digest_check, expected_checkpoint_state
@@ -394,91 +451,107 @@ class ServerChecker:
         )
 
 
-def _arm_kill(victim: int, at_sync: int, at_chunk: int, syncs_started: list[float]) -> None:
-    """Fault injection: SIGKILL in the middle of sync `at_sync` (0-based), just before the gloo broadcast of chunk
-    `at_chunk` of that sync (test-side wrap of the transport's send). `victim` > 0: that process group (the server);
-    < 0: the process `-victim` alone (this trainer rank)."""
-    import os
-    import signal
-
-    import fsdp_sync.transfer.gloo as gloo
-
-    send = gloo._broadcast
-    chunks = {"n": 0}
-
-    def broadcast(group: Any, buffer: Any) -> Any:
-        if len(syncs_started) - 1 == at_sync:
-            if chunks["n"] == at_chunk:
-                if victim > 0:
-                    os.killpg(victim, signal.SIGKILL)
-                else:
-                    os.kill(-victim, signal.SIGKILL)
-            chunks["n"] += 1
-        return send(group, buffer)
-
-    gloo._broadcast = broadcast
+# The points a soak draws from: reached by every sync of a full fine-tuning run (build and plan only by the first,
+# merge only with PEFT, verify only with --verify).
+SOAK_POINTS = ("check", "gather.prepare", "gather.launch", "gather.unflatten", "stream.map", "stream.cast", "write",
+               "write.finish")  # fmt: skip
 
 
-class Faults:
-    """The `--fault` and `--tamper-engine` injections of this rank, armed per sync (see `_parse`)."""
+class Injections:
+    """This rank's faults and test-side actions, armed per sync, all through `fsdp_sync.faults` (the library's
+    declared fault points; never its private names).
 
-    def __init__(self, specs: list[str], tamper: str | None, rank: int) -> None:
-        self.gather: dict[int, str] = {}
-        self.push: dict[int, str] = {}
+    Args:
+        specs: `--inject` entries.
+        rank, world: this rank and the number of ranks.
+        soak, seed: `--soak` faults drawn from `SOAK_POINTS` (the same plan on every rank).
+        tamper: `--tamper-engine NAME:SYNC` (rank 0 changes an engine weight after its push, at `verify`).
+        kill: `(victim pid or -own pid, sync, tensor)`: SIGKILL at that tensor of that sync (rank 0).
+    """
+
+    def __init__(
+        self,
+        specs: list[str],
+        rank: int,
+        world: int,
+        *,
+        soak: int = 0,
+        seed: int = 0,
+        tamper: str | None = None,
+        kill: tuple[int, int, int] | None = None,
+    ) -> None:
+        import random
+
+        from fsdp_sync.faults import FAULT_POINTS, Injector
+
+        self.rank = rank
+        self.plan: dict[int, tuple[str, str, frozenset[int]]] = {}
         for spec in specs:
-            stage, where, sync, ranks = spec.split(":")
-            if ranks == "all" or str(rank) in ranks.split(","):
-                getattr(self, stage)[int(sync)] = where
+            point, sync, ranks, *where = spec.split(":", 3)
+            assert point in FAULT_POINTS, f"--inject {spec}: {point!r} is none of {sorted(FAULT_POINTS)}"
+            chosen = range(world) if ranks == "all" else map(int, ranks.split(","))
+            self.plan[int(sync)] = (point, where[0] if where else "first", frozenset(chosen))
+        rng = random.Random(seed)
+        for i in range(soak):
+            point = rng.choice(SOAK_POINTS)
+            if point.startswith("gather"):
+                where = rng.choice(["first", "last", "1"])
+            elif point in ("stream.map", "stream.cast", "write"):
+                where = str(rng.randrange(0, 12))  # a sync of the tiny test models has more tensors than that
+            else:
+                where = "first"  # reached once per sync
+            self.plan[2 * i + 1] = (point, where, frozenset({rng.randrange(world)}))
         self.tamper: tuple[str, int] | None = None
         if tamper is not None and rank == 0:
             name, sync = tamper.rsplit(":", 1)
             self.tamper = (name, int(sync))
+        self.kill = kill if rank == 0 else None
+        self.sync = -1
+        self.calls: dict[str, int] = {}
+        self.trainer: Any = None
+        self.injector = Injector(self._act)
 
-    def arm(self, trainer: Any, index: int) -> None:
-        """Before sync `index`: make this rank's gather or push fail in it, or its engine be tampered with."""
-        from fsdp_sync.writers.colocate import ColocateWriter
+    def arm(self, index: int) -> None:
+        self.sync, self.calls = index, {}
 
-        sync = getattr(trainer, "_fvs_sync", None)
-        if sync is not None and "_prepare" in vars(sync.gatherer):
-            del sync.gatherer._prepare  # the previous sync's fault
-        if index in self.gather:
-            assert sync is not None, "a gather fault needs a sync before it (the gatherer is built at the first)"
-            units = _gathered_units(sync.gatherer)
-            unit = units[0] if self.gather[index] == "early" else units[-1]
-            prepare = sync.gatherer._prepare
+    def planned(self, index: int) -> dict[str, Any] | None:
+        """The fault armed for sync `index` on any rank, as the test reads it."""
+        if index not in self.plan:
+            return None
+        point, where, ranks = self.plan[index]
+        return {"point": point, "where": where, "ranks": sorted(ranks)}
 
-            def failing(k: int) -> Any:
-                if k == unit:
-                    raise RuntimeError(f"injected: this rank cannot prepare its shard of unit {k} of {units}")
-                return prepare(k)
+    def _act(self, point: str, context: dict[str, Any]) -> bool:
+        n = self.calls.get(point, 0)
+        self.calls[point] = n + 1
+        if self.kill is not None and point == "write" and self.sync == self.kill[1] and n == self.kill[2]:
+            import os
+            import signal
 
-            sync.gatherer._prepare = failing
-        write = ColocateWriter.__dict__.get("_fvs_original_write") or ColocateWriter.write
-        ColocateWriter._fvs_original_write = write
-        where = self.push.get(index)
-        tamper = self.tamper if self.tamper is not None and self.tamper[1] == index else None
+            victim = self.kill[0]
+            os.killpg(victim, signal.SIGKILL) if victim > 0 else os.kill(-victim, signal.SIGKILL)
+        if self.tamper is not None and point == "verify" and self.sync == self.tamper[1]:
+            import torch
 
-        def faulty_write(writer: Any, weights: Any) -> None:
-            if where is not None:
-                weights = _failing_stream(weights, where, len(writer._fvs_planned))
-            write(writer, weights)
-            if tamper is not None:
-                import torch
+            with torch.no_grad():
+                _engine_model(self.trainer).get_parameter(self.tamper[0]).add_(1)
+        armed = self.plan.get(self.sync)
+        if armed is None or armed[0] != point or self.rank not in armed[2]:
+            return False
+        where = armed[1]
+        if where == "first":
+            return n == 0
+        if where == "last":
+            return context.get("unit") == context.get("units", 0) - 1
+        if where.isdigit():
+            return n == int(where)
+        return context.get("name") == where
 
-                with torch.no_grad():
-                    writer.handle.model.get_parameter(tamper[0]).add_(1)
 
-        prepare_writer = ColocateWriter.__dict__.get("_fvs_original_prepare") or ColocateWriter.prepare
-        ColocateWriter._fvs_original_prepare = prepare_writer
+def _engine_model(trainer: Any) -> Any:
+    from fsdp_sync.compat.engine_api import engine_handle
 
-        def recording_prepare(writer: Any, planned: Any) -> None:
-            writer._fvs_planned = [t.name for t in planned]
-            prepare_writer(writer, planned)
-
-        ColocateWriter.prepare = recording_prepare
-        ColocateWriter.write = faulty_write
-        if sync is not None and not hasattr(sync.writer, "_fvs_planned") and sync.checked_plan is not None:
-            sync.writer._fvs_planned = [t.name for t in sync.checked_plan.tensors]
+    return engine_handle(_engine(trainer)).model
 
 
 def _change_the_model(trainer: Any, args: argparse.Namespace, index: int) -> None:
@@ -498,21 +571,6 @@ def _change_the_model(trainer: Any, args: argparse.Namespace, index: int) -> Non
             assert not param.requires_grad, f"{suffix} is trainable; --modify-skipped is for a skipped one"
             with torch.no_grad():
                 param.mul_(1.5)
-
-
-def _gathered_units(gatherer: Any) -> list[int]:
-    """The units of a flat gatherer that run an all-gather (accelerate's FSDP2 wrap has units owning nothing)."""
-    if hasattr(gatherer, "_units"):  # FSDP1
-        return [k for k, (unit, params) in enumerate(gatherer._units) if params and unit._handle is not None]
-    return [k for k, visit in enumerate(gatherer._visits) if visit.slots]
-
-
-def _failing_stream(weights: Any, where: str, total: int) -> Any:
-    """The engine fails on one tensor of the stream: the second (early), the last (late), or the named one."""
-    for i, (name, tensor) in enumerate(weights):
-        if (where == "early" and i == 1) or (where == "late" and i == total - 1) or name == where:
-            raise RuntimeError(f"injected: the engine failed on tensor {i} ({name})")
-        yield name, tensor
 
 
 def _route_load_weights_to_reload(trainer: Any, pushed: list[str]) -> None:
@@ -539,7 +597,29 @@ def _route_load_weights_to_reload(trainer: Any, pushed: list[str]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _setup_env()
+    import contextlib
+
     import torch
+
+    from fsdp_sync.faults import injecting
+
+    if args.soak:
+        args.steps = args.soak + 1
+    kill = None
+    if args.kill_server_pid is not None or args.kill_trainer:
+        kill = (-os.getpid() if args.kill_trainer else args.kill_server_pid, args.kill_at_sync, args.kill_at_tensor)
+    injections = Injections(
+        args.inject,
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        soak=args.soak,
+        seed=args.seed,
+        tamper=args.tamper_engine,
+        kill=kill,
+    )
+    # Installed for the rest of the run (the stack is kept: a collected one would close the context).
+    injections.scope = contextlib.ExitStack()
+    injections.scope.enter_context(injecting(injections.injector))
 
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
@@ -652,27 +732,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     inner_sync = getattr(owner, attribute)
     sync_seconds: list[float] = []
     syncs_started: list[float] = []
-    if (args.kill_server_pid is not None or args.kill_trainer) and result["rank"] == 0:
-        victim = -os.getpid() if args.kill_trainer else args.kill_server_pid
-        _arm_kill(victim, args.kill_at_sync, args.kill_at_chunk, syncs_started)
-
-    faults = Faults(args.fault, args.tamper_engine, result["rank"])
+    injections.trainer = trainer
+    faulting = bool(args.inject or args.soak or args.tamper_engine)
     result["failed_syncs"] = []
+    result["injections"] = []
 
     def checked_sync() -> None:
         from fsdp_sync.errors import SyncError
 
         index = len(syncs_started)
-        if args.fault or args.tamper_engine:
-            faults.arm(trainer, index)
+        injections.arm(index)
+        fired = len(injections.injector.fired)
         _change_the_model(trainer, args, index)
-        claims = args.fault and isinstance(checker, EngineChecker)
-        before = checker.snapshot() if claims else None
+        armed = injections.planned(index)
+        before = checker.snapshot() if armed is not None and args.check else None
         syncs_started.append(time.perf_counter())
         try:
             inner_sync()
         except SyncError as e:
-            if not (args.fault or args.tamper_engine):
+            if not faulting:
                 raise
             engine = e.engine
             record: dict[str, Any] = {
@@ -687,11 +765,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "stale": not trainer.engine_is_current,
                 "report": trainer.sync_reports[-1].as_dict(),
             }  # fmt: skip
-            if before is not None and engine is not None:
+            if before is not None:
+                # On every rank (the reference model is gathered); a rank without a claim (a server rank that does not
+                # push) is checked for old-or-new only.
                 record["claim"] = checker.check_claim(before, engine)
             result["failed_syncs"].append(record)
             sync_seconds.append(record["seconds"])
             return  # training goes on: the mixin syncs again before the next generation
+        finally:
+            if armed is not None:
+                own = [point for point, _ in injections.injector.fired[fired:]]
+                result["injections"].append({"sync": index, **armed, "fired_here": own})
         sync_seconds.append(time.perf_counter() - syncs_started[-1])
         if checker is not None:
             checker()

@@ -259,7 +259,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
-            raise RuntimeError("gloo weight transfer is not initialised; call /init_weight_transfer_engine first.")
+            raise RuntimeError("gloo weight transfer is not initialized; call /init_weight_transfer_engine first.")
         from fsdp_sync.compat.reload_api import partial_loads
 
         dtypes = update_info.dtypes()
@@ -337,6 +337,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.buffer_bytes = buffer_bytes
         self.timeout_s = timeout_s
         self.group: dist.ProcessGroupGloo | None = None
+        # Chunks of data broadcast in the current round (0 until one is): whether the server can hold anything new.
+        self.data_chunks = 0
 
     @classmethod
     def trainer_init(
@@ -396,12 +398,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 pass
             return
         if self.group is None:
-            raise RuntimeError("gloo weight transfer is not initialised (trainer_init failed or was not called).")
+            raise RuntimeError("gloo weight transfer is not initialized (trainer_init failed or was not called).")
         update = GlooUpdateInfo(
             names=[m.name for m in meta],
             dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
             shapes=[list(m.shape) for m in meta],
         )
+        self.data_chunks = 0
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
@@ -437,6 +440,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             if in_flight is not None:
                 in_flight[0].wait()
             in_flight = (_broadcast(self.group, buffer), buffer)
+            self.data_chunks += 1
         if in_flight is not None:
             in_flight[0].wait()
         for name, _ in stream:  # the metadata was shorter than the stream

@@ -320,9 +320,11 @@ class ServerWriter:
             self._round_open = False
         stage = "connect"
         cut = _Cut()
+        engine: Any = None
         try:
             if self._engine is None:
                 self._engine = self._connect()
+            engine = self._engine
             stage = "send"
             stream = _upstream_marked(weights)
             if not self.transport.aborts_round:
@@ -336,24 +338,24 @@ class ServerWriter:
                 self._engine = None
             raise ServerPushError(
                 f"The weight stream failed upstream of the server ({e.error}); the update was aborted.",
-                engine=self._state(stage),
+                engine=self._state(stage, engine),
             ) from e.error
         except (ServerRequestError, ServerConfigError) as e:
             self._engine = None
             raise ServerPushError(
-                f"The vLLM server failed the weight update ({stage}): {e}.", engine=self._state(stage)
+                f"The vLLM server failed the weight update ({stage}): {e}.", engine=self._state(stage, engine)
             ) from e
         except ServerUnavailableError as e:
             self._engine = None
             raise ServerTransportError(
-                f"The vLLM server became unreachable ({stage}): {e}.", engine=self._state(stage)
+                f"The vLLM server became unreachable ({stage}): {e}.", engine=self._state(stage, engine)
             ) from e
         except Exception as e:
             self._engine = None
             raise ServerTransportError(
                 f"The {self.backend} weight transfer to {self.info.model!r} failed ({stage}; "
                 f"{type(e).__name__}: {e}).",
-                engine=self._state(stage),
+                engine=self._state(stage, engine),
             ) from e
         if cut.error is not None:  # the round was completed with placeholders after the stream failed
             raise ServerPushError(
@@ -362,9 +364,14 @@ class ServerWriter:
                 engine=EngineState("undefined", undefined=tuple(cut.placeholders), note="placeholders ended the round"),
             ) from cut.error
 
-    def _state(self, stage: str) -> EngineState:
+    def _state(self, stage: str, engine: Any) -> EngineState:
+        """What the server holds after a round that failed at `stage`: unchanged when no weight reached it (the
+        handshake failed, or the transport says it sent no data: the gloo backend counts its chunks), else what
+        the transport leaves after a partial round."""
         if stage == "connect":
             return EngineState("unchanged", note="no weight was sent; the next sync connects again")
+        if getattr(engine, "data_chunks", None) == 0:
+            return EngineState("unchanged", note="the round ended before any weight was sent")
         return self.transport.partial_round
 
     def engine_groups(self) -> EngineGroups:

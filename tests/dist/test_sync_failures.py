@@ -1,10 +1,12 @@
-"""A sync that fails on one rank fails on every rank, fast, and leaves the ranks able to train and sync again.
+"""A sync that fails on one rank fails on every rank, fast, leaves every engine holding only previous or new values,
+and leaves the ranks able to train and sync again.
 
-2 gloo ranks, real FSDP1 and FSDP2 with the default (flat) gatherers, the real pipeline and agreement; the engine is
-a recording writer (the end-to-end tests in `tests/e2e/test_failures.py` do the same against real vLLM engines).
-Faults are injected on rank 1 only: in its own gather work (preparing its shard of the first or the last unit, before
-that unit's all-gather) and in its push (after the first or the last tensor). Every rank must raise within a few
-seconds naming rank 1 and the stage; then a training step and a sync must succeed, bit for bit.
+2 and 3 gloo ranks, real FSDP1 and FSDP2 with the default (flat) gatherers, the real pipeline, status rounds and
+agreement; the engine is a recording writer (the end-to-end tests in `tests/e2e/test_failures.py` do the same against
+real vLLM engines and a real server). Faults are injected through the library's own seam (`fsdp_sync.faults`), on
+the last rank, at every fault point a sync of this set-up reaches, early and late: every rank must raise within a few
+seconds naming that rank and the stage the fault model declares; every tensor the engine took must be the previous
+or the new value (no placeholder); then a training step and a sync must succeed, bit for bit.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import torch
 
 from fsdp_sync.backend import detect_backend
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
-from fsdp_sync.compat.names import NameRules
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import EngineState, SyncError
 from fsdp_sync.gather import make_gatherer
@@ -25,7 +26,7 @@ from fsdp_sync.pipeline import WeightSync
 from fsdp_sync.testing.dist import run_distributed
 from fsdp_sync.writers import EnginePushError
 
-from .models import full_reference, tiny_lm, train_step, wrap
+from .models import tiny_lm, train_step, wrap
 
 
 class RecordingEngine:
@@ -72,18 +73,6 @@ def _sync(model: torch.nn.Module, engine: RecordingEngine, timeout_s: float) -> 
     return WeightSync(gatherer, engine, check_manifest=False, timeout_s=timeout_s, backend=backend.value)
 
 
-def _inject_gather_fault(gatherer: object, unit: int) -> None:
-    """Rank 1's own work for one unit (its shard, before the unit's all-gather) raises."""
-    prepare = gatherer._prepare  # type: ignore[attr-defined]
-
-    def failing(k: int):  # type: ignore[no-untyped-def]
-        if k == unit:
-            raise RuntimeError(f"injected: rank 1 cannot prepare its shard of unit {k}")
-        return prepare(k)
-
-    gatherer._prepare = failing  # type: ignore[attr-defined]
-
-
 def _expected(model: torch.nn.Module, backend: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -91,69 +80,88 @@ def _expected(model: torch.nn.Module, backend: str) -> dict[str, torch.Tensor]:
     return {k.removeprefix("_orig_mod."): v.detach().to("cpu") for k, v in state.items() if k != "lm_head.weight"}
 
 
-def fault_scenario(rank: int, world_size: int, backend: str, stage: str, where: str) -> dict[str, object]:
+# (point, which call fails): every point a sync of this set-up reaches, early and late. The e2e tests inject the
+# others: build and plan (once, before the first gather), check (delta syncs, check_finite), verify (an engine with
+# digests).
+POINTS = [
+    ("gather.prepare", "first"),
+    ("gather.prepare", "last"),
+    ("gather.launch", "first"),
+    ("gather.launch", "last"),
+    ("gather.unflatten", "first"),
+    ("gather.unflatten", "last"),
+    ("stream.map", "first"),
+    ("stream.cast", "late"),
+    ("write", "first"),
+    ("write", "late"),
+    ("write.finish", "first"),
+]
+
+
+def fault_points_scenario(rank: int, world_size: int, backend: str) -> list[dict[str, object]]:
+    """For each of `POINTS` on the last rank: a complete sync (the engine's previous values), a training step, the
+    faulted sync, then a training step and a clean sync, checked bit for bit."""
+    from fsdp_sync.faults import FAULT_POINTS, Injector, injecting
+
     model = wrap(tiny_lm(), backend, world_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = RecordingEngine()
     sync = _sync(model, engine, timeout_s=60)
-    sync.plan()
-    units = len(sync.gatherer._sizes)  # type: ignore[attr-defined]
-    if rank == 1:
-        if stage == "gather":
-            _inject_gather_fault(sync.gatherer, 0 if where == "early" else units - 1)
-        else:
-            engine.fail_after = 1 if where == "early" else len(engine.planned) - 1
-    out: dict[str, object] = {"units": units}
-    start = time.perf_counter()
-    try:
-        sync.sync()
-        out["error"] = None
-    except SyncError as e:
-        out["error"] = {
-            "type": type(e).__name__,
-            "message": str(e),
-            "failures": [(f.rank, f.stage) for f in e.failures],
-            "undefined": list(e.engine.undefined) if e.engine is not None else None,
-            "engine": e.engine.status if e.engine is not None else None,
-        }
-    out["seconds"] = time.perf_counter() - start
-    # The ranks go on together: a training step, then a complete sync, checked bit for bit.
-    engine.fail_after = None
-    if rank == 1 and stage == "gather":
-        del sync.gatherer._prepare  # type: ignore[attr-defined]  # back to the class's own
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    train_step(model, optimizer)
-    sync.sync()
-    expected = _expected(model, backend)
-    out["after"] = sorted(n for n, t in expected.items() if not torch.equal(engine.weights.get(n, torch.empty(0)), t))
-    out["after_count"] = len(engine.weights)
+    armed: dict[str, object] = {}
+    calls: dict[str, int] = {}
+
+    def act(point: str, context: dict[str, object]) -> bool:
+        n = calls[point] = calls.get(point, 0) + 1
+        if rank != world_size - 1 or point != armed.get("point") or armed.get("fired"):
+            return False
+        match armed["where"]:
+            case "first":
+                hit = n == 1
+            case "last":
+                hit = context.get("unit") == context.get("units", 0) - 1
+            case _:  # late: the 8th call (a sync of this model has more tensors)
+                hit = n == 8
+        armed["fired"] = hit
+        return hit
+
+    injector = Injector(act)
+    out = []
+    with injecting(injector):
+        for step, (point, where) in enumerate(POINTS):
+            armed.clear()
+            sync.sync()  # every engine weight at its previous value
+            previous = {n: t.clone() for n, t in engine.weights.items()}
+            train_step(model, optimizer, seed=step)
+            new = _expected(model, backend)
+            armed.update(point=point, where=where)
+            calls.clear()
+            fired = len(injector.fired)
+            start = time.perf_counter()
+            record: dict[str, object] = {"point": point, "where": where, "stage": FAULT_POINTS[point].stage}
+            try:
+                sync.sync()
+                record["error"] = None
+            except SyncError as e:
+                record["error"] = {
+                    "type": type(e).__name__,
+                    "message": str(e),
+                    "failures": [(f.rank, f.stage) for f in e.failures],
+                    "engine": e.engine.status if e.engine is not None else None,
+                }
+            record["seconds"] = time.perf_counter() - start
+            record["fired"] = len(injector.fired) - fired
+            # Every tensor the engine holds is its previous or its new value: none is a third (a placeholder).
+            record["neither"] = sorted(
+                name for name, t in engine.weights.items()
+                if not torch.equal(t, new[name]) and not torch.equal(t, previous.get(name, t.new_empty(0)))
+            )  # fmt: skip
+            armed.clear()
+            train_step(model, optimizer, seed=100 + step)
+            sync.sync()
+            expected = _expected(model, backend)
+            record["after"] = sorted(n for n, t in expected.items() if not torch.equal(engine.weights.get(n, t[:0]), t))
+            out.append(record)
     return out
-
-
-@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
-@pytest.mark.parametrize("stage,where", [("gather", "early"), ("gather", "late"), ("push", "early"), ("push", "late")])
-def test_a_failure_on_one_rank_fails_every_rank_fast_and_the_next_sync_is_exact(
-    backend: str, stage: str, where: str
-) -> None:
-    results = run_distributed(fault_scenario, backend, stage, where)
-    for rank, r in enumerate(results):
-        error = r["error"]
-        assert error is not None, f"rank {rank} did not fail"
-        assert error["failures"] == [(1, stage)], error
-        assert "rank 1 (" + stage + ")" in error["message"], error["message"]
-        assert r["seconds"] < 10, f"rank {rank} took {r['seconds']:.1f} s to fail"
-        print(f"{backend} {stage} {where}: rank {rank} raised {error['type']} after {r['seconds']:.3f} s")
-        assert r["after"] == [], f"rank {rank}: not bit-exact after the recovery sync: {r['after']}"
-        assert r["after_count"] > 0
-    own, other = results[1]["error"], results[0]["error"]
-    assert other["type"] == "RemoteSyncError"
-    if stage == "gather":
-        assert own["type"] == "SyncStageError" and "injected: rank 1 cannot prepare" in own["message"]
-        # Rank 0 received rank 1's placeholder for that unit: its engine says which weights are undefined.
-        assert other["engine"] == "undefined" and other["undefined"], other
-        assert own["engine"] in ("mixed", "unchanged"), own
-    else:
-        assert own["type"] == "EnginePushError" and "injected engine failure" in own["message"]
-        assert other["engine"] == "current"
 
 
 def hang_scenario(rank: int, world_size: int, backend: str) -> dict[str, object]:
@@ -171,8 +179,29 @@ def hang_scenario(rank: int, world_size: int, backend: str) -> dict[str, object]
         return {"error": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - start}
 
 
+@pytest.mark.parametrize("backend, world", [("fsdp1", 2), ("fsdp2", 2), ("fsdp1", 3), ("fsdp2", 3)])
+def test_every_fault_point_fails_every_rank_fast_and_the_engine_holds_old_or_new(backend: str, world: int) -> None:
+    results = run_distributed(fault_points_scenario, backend, world_size=world)
+    failing = world - 1
+    for rank, records in enumerate(results):
+        for r in records:
+            label = f"{backend} x{world} {r['point']} ({r['where']}), rank {rank}"
+            error = r["error"]
+            assert error is not None, f"{label}: did not fail"
+            assert r["fired"] == (1 if rank == failing else 0), f"{label}: the fault fired {r['fired']} time(s)"
+            assert error["failures"] == [(failing, r["stage"])], (label, error["failures"], error["message"][:500])
+            assert f"rank {failing} ({r['stage']})" in error["message"], error["message"][:500]
+            assert (error["type"] == "RemoteSyncError") == (rank != failing), (label, error["type"])
+            assert r["seconds"] < 10, f"{label}: {r['seconds']:.1f} s to fail"
+            assert error["engine"] != "undefined", (label, error)
+            assert r["neither"] == [], f"{label}: the engine holds neither old nor new values for {r['neither']}"
+            assert r["after"] == [], f"{label}: not bit-exact after the recovery sync: {r['after']}"
+        slowest = max(r["seconds"] for r in records)
+        print(f"{backend} x{world}: rank {rank} failed {len(records)} faults, slowest after {slowest * 1000:.0f} ms")
+
+
 def test_a_rank_that_hangs_is_named_after_the_timeout() -> None:
-    """Rank 1 hangs in its push before taking anything, so rank 0's first all-gather never completes: rank 0 gives
+    """Rank 1 hangs in its push before taking anything, so it never reaches the first status round: rank 0 gives
     up on it after `sync_timeout_s`, then on the agreement, and raises SyncTimeoutError naming rank 1; rank 1, when
     it wakes, learns the others gave up. Nobody waits for gloo's or NCCL's own 30-minute timeout. The training group
     is unusable afterwards (a collective timed out), as the error says: the ranks leave without a final barrier."""
@@ -180,7 +209,7 @@ def test_a_rank_that_hangs_is_named_after_the_timeout() -> None:
     first, late = results
     assert first["error"] == "SyncTimeoutError", first
     assert "Ranks 1 failed to pass monitoredBarrier" in first["message"], first["message"]
-    assert "did not complete within 3 s" in first["message"], first["message"]
+    assert "reached a status round of this weight sync within 3 s" in first["message"], first["message"]
     assert first["seconds"] < 2 * 3 + 3, first["seconds"]
     assert late["error"] == "SyncTimeoutError", late
     assert "Restart the job" in late["message"]

@@ -1,89 +1,166 @@
-"""Failure behaviour on the real stack: TRL GRPOTrainer + mixin, in-process vLLM CPU engine on each of 2 gloo ranks.
+"""Failure behaviour on the real stack: every fault point of `fsdp_sync.faults.FAULT_POINTS`, injected through the
+library's own seam (never its private names) on one rank of a real TRL GRPO job with the mixin and real vLLM engines
+(in-process, or a real server), FSDP1 and FSDP2, 2 and 3 gloo ranks; and a random-fault soak.
 
-Faults are injected test-side (`fsdp_sync.testing.grpo_job --fault`): on rank 1 only, in its gather (its shard of the
-first or the last unit cannot be prepared) and in its engine push (the engine fails on the second or the last
-tensor); and on every rank inside a fused layer (the engine fails on layer 0's v_proj after taking q_proj and k_proj,
-which vLLM fuses into one `qkv_proj`). After each failed sync the job records what every rank raised and checks the
-engine against what the error says it holds (weights named as previous equal the engine's snapshot from before the
-sync, the others the trainer's new full weights, bit for bit); then training goes on, the mixin syncs again before
-the next generation, and that sync and every later one must be bit-exact.
+For every injected fault: the fault fired where it was armed; every rank raised a `SyncError` (the failing rank its
+own type, the others `RemoteSyncError`) naming the failing rank and the stage the fault model declares, within the
+bound of README "Failure behaviour"; every engine weight then holds its previous or its new value (never a third:
+finite, no placeholder), checked weight by weight against what the error says; and the mixin's next sync (before the
+next generation) is bit-exact, as is every later one. The measured times go to README's fault table
+(`python -m benchmarks.faults`; `tests/unit/test_fault_model.py` checks it against `FAULT_POINTS` and
+`benchmarks/results/faults.json`, which these tests write with FSDP_VLLM_SYNC_RECORD_FAULTS=1).
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+from typing import Any
+
 import pytest
+
+from fsdp_sync.faults import FAULT_POINTS
+from fsdp_sync.testing.dist import free_port
+from fsdp_sync.testing.vllm_server import VLLMServerProcess
 
 from .helpers import WRAPPER_FLAG, run_grpo
 
 pytestmark = pytest.mark.e2e
 
-FUSED = "model.layers.0.self_attn.v_proj.weight"
-# sync index -> (fault spec, failing ranks, stage); each failed sync is followed by the mixin's own retry.
-FAULTS = {
-    1: ("gather:early:1:1", [1], "gather"),
-    3: ("push:late:3:1", [1], "push"),
-    5: ("gather:late:5:1", [1], "gather"),
-    7: ("push:early:7:1", [1], "push"),
-    9: (f"push:{FUSED}:9:all", [0, 1], "push"),
-}
-STEPS = 6  # one sync per step (0, 1, 3, 5, 7, 9) and a retry after each failure (2, 4, 6, 8, 10)
+# Every rank raises within this many seconds of the sync's start (README "Failure behaviour"): a failure is learned
+# at the next status round, one unit later; the 2-core CI machine runs 2-3 ranks, their engines and a server.
+BOUND_S = 10.0
+# The points every sync reaches in these jobs, after the first (build, plan), in the order they are injected.
+LATER = ["check", "gather.prepare", "gather.launch", "gather.unflatten", "stream.map", "stream.cast", "write",
+         "write.finish"]  # fmt: skip
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "faults.json"
 
 
-@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
-def test_failures_fail_every_rank_fast_and_truthfully_then_training_and_syncs_go_on(
-    backend: str, checkpoints, tmp_path
-) -> None:
-    faults = [arg for spec, _, _ in FAULTS.values() for arg in ("--fault", spec)]
-    extra = ["--verify"] if backend == "fsdp1" else []  # verify on every successful sync, all weights readable
-    result = run_grpo(checkpoints("qwen2"), tmp_path, backend, "--steps", str(STEPS), *faults, *extra)
+def _plan(points: list[str], world: int, *, server: bool) -> list[tuple[int, str, int, str]]:
+    """(sync, point, rank, where) for each fault: build at sync 0 and plan at the retry (sync 1), then one fault per
+    step (odd syncs from 3), each followed by the mixin's clean retry. Ranks rotate; in server mode only rank 0
+    writes."""
+    faults = [(0, "build", 1 % world, "first"), (1, "plan", 0, "first")]
+    for j, point in enumerate(points):
+        rank = 0 if server and point.startswith("write") else (j + 1) % world
+        where = {"gather.launch": "1", "gather.unflatten": "last", "write": "5", "stream.cast": "3"}.get(point, "first")
+        faults.append((3 + 2 * j, point, rank, where))
+    return faults
+
+
+def _check_faults(result: Any, faults: list[tuple[int, str, int, str]], backend: str, world: int) -> list[dict]:
+    """Every assertion of the module docstring; returns one timing record per (fault, rank)."""
     assert result.returncode == 0, result.log[-6000:]
-    assert len(result.ranks) == 2
+    assert len(result.ranks) == world, result.log[-3000:]
+    timings = []
     for r in result.ranks:
         rank = r["rank"]
         assert r["error"] is None, r["error"]
-        assert r["global_step"] == STEPS
         assert r["wrapper"][WRAPPER_FLAG[backend]], r["wrapper"]
         failed = {f["sync"]: f for f in r["failed_syncs"]}
-        assert sorted(failed) == sorted(FAULTS), sorted(failed)
-        for index, (_, ranks, stage) in FAULTS.items():
-            f = failed[index]
-            assert f["failures"] == [[k, stage] for k in ranks], f
-            assert f["seconds"] < 10, f"rank {rank}, sync {index}: {f['seconds']:.1f} s to fail"
-            assert "rank 1 (" + stage + ")" in f["message"], f["message"]
-            assert f["stale"] and not f["report"]["ok"], "the engine must be marked stale"
-            if rank in ranks:
-                assert f["type"] == ("SyncStageError" if stage == "gather" else "EnginePushError"), f
-            else:
-                assert f["type"] == "RemoteSyncError", f
-            claim = f["claim"]
-            assert claim["problems"] == [], (rank, index, claim["problems"])
-            print(
-                f"{backend} sync {index} ({stage}, ranks {ranks}): rank {rank} raised {f['type']} after "
-                f"{f['seconds'] * 1000:.0f} ms; engine {f['engine']['status']}: {claim['counts']}"
-            )
+        assert sorted(failed) == sorted(sync for sync, *_ in faults), (rank, sorted(failed))
+        injected = {i["sync"]: i for i in r["injections"]}
+        for sync, point, failing, _ in faults:
+            f = failed[sync]
+            stage = FAULT_POINTS[point].stage
+            assert f["failures"] == [[failing, stage]], (point, f["failures"], f["message"][:600])
+            fired = injected[sync]["fired_here"]
+            assert fired == ([point] if rank == failing else []), (point, rank, fired)
+            assert f["seconds"] < BOUND_S, f"{point}: rank {rank} took {f['seconds']:.1f} s"
+            assert f["type"] != "RemoteSyncError" if rank == failing else f["type"] == "RemoteSyncError", (point, f)
+            assert f"rank {failing} ({stage})" in f["message"], f["message"][:600]
+            assert f["stale"] and not f["report"]["ok"]
             engine = f["engine"]
-            if stage == "gather" and rank not in ranks:
-                # Rank 1's placeholder shard reached rank 0's engine: said so, by name.
-                assert engine["status"] == "undefined" and engine["undefined"], engine
-                assert claim["counts"]["undefined"] > 0
-            elif rank not in ranks:
-                assert engine["status"] == "current", engine
-            else:
-                assert engine["status"] in ("mixed", "unchanged"), engine
-        fused = failed[9]
-        assert "model.layers.0.self_attn.qkv_proj.weight" in fused["engine"]["previous"], fused["engine"]
-        assert fused["claim"]["counts"]["previous"] > 0 and fused["claim"]["counts"]["new"] > 0, fused["claim"]
-        # Every successful sync (the first, the retries, the later steps) is bit-exact.
+            assert engine is None or engine["status"] != "undefined", (point, engine)
+            assert engine is None or not engine["undefined"], (point, engine)
+            if FAULT_POINTS[point].engine == "unchanged":
+                assert engine is None or engine["status"] == "unchanged", (point, rank, engine)
+            claim = f.get("claim")
+            if claim is not None:
+                assert claim["problems"] == [], (point, rank, claim["problems"][:5])
+                assert claim["counts"]["undefined"] == 0, (point, rank, claim["counts"])
+            timings.append({"point": point, "rank": rank, "failing": rank == failing, "seconds": f["seconds"],
+                            "type": f["type"], "engine": engine["status"] if engine else None})  # fmt: skip
         checks = r["checks"]
-        assert len(checks) == 2 * STEPS - 1 - len(FAULTS)
-        for c in checks:
-            assert c["wrapper"][WRAPPER_FLAG[backend]]
-            assert c["reference_problems"] == [] and c["direct_problems"] == [], c
-            assert c["direct_checked"] == c["engine_weights"]
+        assert checks, "no successful sync was checked"
+        for c in checks:  # the retries and every later sync
+            assert c["direct_problems"] == [] and c.get("logits_problems", []) == [], c
+            assert c["direct_checked"] > 0
         ok = [rep for rep in r["reports"] if rep["ok"]]
         assert len(ok) == len(checks)
-        if backend == "fsdp1":
-            assert all(rep["verified"] == checks[0]["engine_weights"] and rep["unverifiable"] == 0 for rep in ok), ok
+    return timings
+
+
+def _record(name: str, timings: list[dict]) -> None:
+    """With FSDP_VLLM_SYNC_RECORD_FAULTS=1: keep the measured times for README's fault table."""
+    if os.environ.get("FSDP_VLLM_SYNC_RECORD_FAULTS") != "1":
+        return
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data[name] = timings
+    RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+COLOCATE = [
+    pytest.param("fsdp1", 2, ["--verify"], [*LATER, "verify"], id="fsdp1-2ranks-verify"),
+    pytest.param("fsdp2", 3, [], LATER, id="fsdp2-3ranks"),
+]
+
+
+@pytest.mark.parametrize("backend, world, extra, points", COLOCATE)
+def test_every_fault_point_colocated(backend: str, world: int, extra: list[str], points: list[str], checkpoints,
+                                     tmp_path: Path) -> None:  # fmt: skip
+    faults = _plan(points, world, server=False)
+    args = [arg for sync, point, rank, where in faults for arg in ("--inject", f"{point}:{sync}:{rank}:{where}")]
+    steps = 2 + len(points)
+    result = run_grpo(checkpoints("qwen2"), tmp_path, backend, "--steps", str(steps), *args, *extra, ranks=world)
+    timings = _check_faults(result, faults, backend, world)
+    _record(f"colocate-{backend}-{world}", timings)
+
+
+SERVER = [
+    pytest.param("fsdp2", 2, [], LATER, id="fsdp2-2ranks"),
+    pytest.param("fsdp1", 3, ["--peft"], ["check", "gather.prepare", "stream.map", "stream.merge", "stream.cast",
+                                         "write", "write.finish"], id="fsdp1-3ranks-lora"),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("backend, world, extra, points", SERVER)
+def test_every_fault_point_in_server_mode(backend: str, world: int, extra: list[str], points: list[str], checkpoints,
+                                          tmp_path: Path) -> None:  # fmt: skip
+    """The same against a real vLLM server (gloo transfer): the server's weights are read back after every failed
+    sync (old or new, by digest) and every successful one (bit-exact). LoRA (FSDP1, 3 ranks) runs the per-unit
+    strategy and the merge."""
+    model_dir = checkpoints("qwen2")
+    faults = _plan(points, world, server=True)
+    args = [arg for sync, point, rank, where in faults for arg in ("--inject", f"{point}:{sync}:{rank}:{where}")]
+    with VLLMServerProcess(model_dir, tmp_path / "server.log") as server:
+        result = run_grpo(
+            model_dir, tmp_path / "job", backend, "--steps", str(2 + len(points)), *args, *extra,
+            "--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port()),
+            ranks=world,
+        )  # fmt: skip
+    timings = _check_faults(result, faults, backend, world)
+    _record(f"server-{backend}-{world}", timings)
+
+
+SOAK = 50
+
+
+def test_random_fault_soak(checkpoints, tmp_path: Path) -> None:
+    """50 faults at random points (of those every sync reaches) on random ranks, seeded, one per step, each followed
+    by the mixin's clean retry: every fault fails every rank within the bound with the engine old-or-new, and every
+    successful sync is bit-exact."""
+    result = run_grpo(checkpoints("qwen2"), tmp_path, "fsdp2", "--soak", str(SOAK), "--seed", "2026", "--lr", "0.01")
+    assert result.returncode == 0, result.log[-6000:]
+    plan = {i["sync"]: i for i in result.ranks[0]["injections"]}
+    assert len(plan) == SOAK
+    faults = [(sync, i["point"], i["ranks"][0], i["where"]) for sync, i in sorted(plan.items())]
+    timings = _check_faults(result, faults, "fsdp2", 2)
+    points = {point for _, point, _, _ in faults}
+    print(f"soak: {SOAK} faults over {len(points)} points; slowest rank to fail: "
+          f"{max(t['seconds'] for t in timings) * 1000:.0f} ms")  # fmt: skip
+    _record("soak-colocate-fsdp2-2", timings)
 
 
 def test_verify_catches_a_weight_changed_behind_the_sync_and_names_what_it_cannot_see(checkpoints, tmp_path) -> None:

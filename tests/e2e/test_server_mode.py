@@ -143,7 +143,7 @@ def test_server_killed_mid_sync_fails_every_rank(checkpoints, tmp_path: Path) ->
             "--server-buffer-bytes", str(64 * 1024),
             "--kill-server-pid", str(doomed.process.pid),
             "--kill-at-sync", "1",
-            "--kill-at-chunk", "2",
+            "--kill-at-tensor", "6",
             "--sync-timeout", "60",
         )  # fmt: skip
         result = run_grpo(model_dir, tmp_path / "job", "fsdp2", *args)
@@ -159,36 +159,6 @@ def test_server_killed_mid_sync_fails_every_rank(checkpoints, tmp_path: Path) ->
         assert [rep["ok"] for rep in r["reports"]] == [True, False], "the first sync completed; the second failed"
         print(f"killed mid-sync: rank {r['rank']} failed after {r['error']['seconds']:.2f} s of the sync")
         assert r["error"]["seconds"] < 60
-
-
-def test_gather_failures_abort_the_server_round_and_the_retry_is_exact(
-    server: VLLMServerProcess, checkpoints, tmp_path: Path
-) -> None:
-    """A gather failure on the sender (rank 0) aborts the round on the server at once (the gloo backend's abort
-    marker): the server gives partly loaded layers their previous weights back and stays usable; a gather failure on
-    rank 1 reaches the server as placeholder data, which rank 0's error names as undefined. Every rank raises within
-    seconds naming the failing rank; the mixin's retry and every later sync are bit-exact on the server."""
-    model_dir = checkpoints("qwen2")
-    faults = ["--fault", "gather:late:1:0", "--fault", "gather:early:3:1"]
-    result = run_grpo(model_dir, tmp_path, "fsdp2", "--steps", "3", *faults, *_server_args(server.base_url))
-    assert result.returncode == 0, result.log[-6000:]
-    for r in result.ranks:
-        assert r["wrapper"]["is_fsdp2"] and r["global_step"] == 3
-        failed = {f["sync"]: f for f in r["failed_syncs"]}
-        assert sorted(failed) == [1, 3], sorted(failed)
-        for index, failing in ((1, 0), (3, 1)):
-            f = failed[index]
-            assert f["failures"] == [[failing, "gather"]], f
-            assert f["type"] == ("SyncStageError" if r["rank"] == failing else "RemoteSyncError"), f
-            assert f["seconds"] < 10, f["seconds"]
-            print(f"server gather fault on rank {failing}: rank {r['rank']} raised {f['type']} after "
-                  f"{f['seconds'] * 1000:.0f} ms; engine {f['engine']}")  # fmt: skip
-        assert failed[1]["engine"] is None or r["rank"] != 0 or failed[1]["engine"]["status"] == "mixed"
-        if r["rank"] == 0:
-            assert failed[3]["engine"]["status"] == "undefined" and failed[3]["engine"]["undefined"], failed[3]
-        checks = r["checks"]
-        assert len(checks) == 3 and all(c["direct_problems"] == [] and c["direct_checked"] > 0 for c in checks)
-    assert "was aborted by the trainer" in server.log_tail(400_000)
 
 
 def test_lora_delta_syncs_send_less_to_the_server(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:

@@ -74,7 +74,9 @@ class FakeGatherer:
     def specs(self) -> dict[str, TensorSpec]:
         return {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in self.tensors.items()}
 
-    def iter_full(self, meter: MemoryMeter, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(
+        self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: object = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         self.iter_calls += 1
         self.selects.append(select)
         for name, tensor in itertools.chain(self.tensors.items(), self.extra.items()):
@@ -540,19 +542,26 @@ def test_cast_failure_is_named_cast() -> None:
     assert [f.stage for f in err.value.failures] == ["cast"]
 
 
-def test_gather_failure_after_its_collectives_is_a_stage_error_naming_gather() -> None:
-    """A flat gatherer that failed in its own work raises `GatherFailed(completed=True)` after running its
-    collectives: the sync fails in the gather stage, and the writer saw an interruption, not an engine error."""
+def test_gather_failure_recorded_in_the_rounds_is_a_stage_error_naming_gather() -> None:
+    """A flat gatherer records a failure of its own work in the sync's rounds and stops at the next round (it never
+    raises it): the sync fails in the gather stage, and the writer saw an interruption, not an engine error."""
     from fsdp_sync.errors import StreamInterrupted, SyncStageError
-    from fsdp_sync.gather.base import GatherFailed
+
+    class StoppingGatherer(FakeGatherer):
+        def iter_full(self, meter, select=None, rounds=None):  # type: ignore[no-untyped-def]
+            for i, item in enumerate(super().iter_full(meter, select, rounds)):
+                if i == 1:
+                    rounds.fail("gather", RuntimeError("cast of the local shard failed"))
+                    if not rounds.go_on():
+                        return
+                yield item
 
     tensors = _tensors()
-    failed = GatherFailed("RuntimeError: cast of the local shard failed", completed=True)
-    gatherer = FakeGatherer(tensors, fail_after=1, failure=failed)
+    gatherer = StoppingGatherer(tensors)
     writer = FakeWriter(_manifest_for(tensors))
-    with pytest.raises(SyncStageError, match=r"rank 0 \(gather\): GatherFailed: RuntimeError: cast") as err:
+    with pytest.raises(SyncStageError, match=r"rank 0 \(gather\): RuntimeError: cast of the local shard") as err:
         WeightSync(gatherer, writer).sync()
-    assert err.value.__cause__ is failed
+    assert isinstance(err.value.__cause__, RuntimeError)
     assert isinstance(writer.interrupted, StreamInterrupted)
     assert [name for name, _ in writer.received] == [EMBED]
 

@@ -121,7 +121,9 @@ class TwoTensorGatherer:
     def specs(self) -> dict[str, TensorSpec]:
         return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in self.values.items()}
 
-    def iter_full(self, meter: object, select: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(
+        self, meter: object, select: frozenset[str] | None = None, rounds: object = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         yield from ((n, t) for n, t in self.values.items() if select is None or n in select)
 
     def trainable(self) -> frozenset[str]:

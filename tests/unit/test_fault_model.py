@@ -1,0 +1,54 @@
+"""The fault model (`fsdp_sync.faults`) against the code and the README.
+
+Why: the README's fault table is what users read to know what a failure does; it is rendered from the declared fault
+points and the times the end-to-end fault tests measured (`benchmarks/results/faults.json`), so it cannot drift
+from either. Every declared point must be reached by the code (a point no code calls would be a fault test that can
+never fire), and an undeclared name must be refused.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks.faults import BEGIN, END, RESULTS, table
+from fsdp_sync.faults import FAULT_POINTS, FaultInjected, Injector, fault_point, injecting
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_readme_fault_table_is_the_rendered_model_with_the_measured_times() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert BEGIN in readme and END in readme, "README lacks the fault table's markers"
+    shown = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert shown == table(), "README's fault table is stale: paste `python -m benchmarks.faults`"
+
+
+def test_every_declared_point_was_measured() -> None:
+    """Each point of the model was injected by the end-to-end fault tests in the recorded run."""
+    import json
+
+    runs = json.loads(RESULTS.read_text())
+    measured = {t["point"] for timings in runs.values() for t in timings}
+    assert measured == set(FAULT_POINTS), f"not measured: {sorted(set(FAULT_POINTS) - measured)}"
+
+
+def test_every_declared_point_is_called_by_the_library() -> None:
+    calls: set[str] = set()
+    for path in (ROOT / "fsdp_sync").rglob("*.py"):
+        calls.update(re.findall(r'fault_point\(\s*"([a-z.]+)"', path.read_text()))
+    assert calls == set(FAULT_POINTS), (sorted(set(FAULT_POINTS) - calls), sorted(calls - set(FAULT_POINTS)))
+
+
+def test_the_seam_fires_only_where_armed_and_refuses_unknown_points() -> None:
+    injector = Injector(lambda point, context: point == "write" and context.get("name") == "b")
+    with injecting(injector):
+        fault_point("write", name="a")
+        with pytest.raises(FaultInjected, match="write"):
+            fault_point("write", name="b")
+        with pytest.raises(KeyError, match="unknown fault point"):
+            fault_point("no.such.point")
+    assert injector.reached == {"write": 2} and [p for p, _ in injector.fired] == ["write"]
+    fault_point("write", name="b")  # no injector: nothing happens
