@@ -74,11 +74,10 @@ class FusedBuffersWriter:
         for name, tensor in weights:
             self.slots[name].copy_(tensor)
 
-    def engine_groups(self):  # type: ignore[no-untyped-def]
-        from fsdp_sync.compat.engine_api import EngineNaming
-        from fsdp_sync.delta import EngineGroups
+    def engine_layout(self):  # type: ignore[no-untyped-def]
+        from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 
-        return EngineGroups(EngineNaming(VLLM_PACKED), {name.rpartition(".")[0] for name in self.buffers})
+        return EngineLayout(EngineNaming(VLLM_PACKED), frozenset(name.rpartition(".")[0] for name in self.buffers))
 
     def finish(self) -> None:
         """No cache to reset."""

@@ -87,7 +87,7 @@ def _measure_backend(
         )
         for strategy in OURS[backend]
     }
-    # The default without its status rounds (what the failure protocol costs, README "Failure behaviour"):
+    # The default without its status rounds (what the failure protocol costs, docs/failures.md):
     # benchmark-side only, the same sync with its coordinator's rounds answered locally.
     syncs["flat-norounds"] = WeightSync(
         make_gatherer(wrapped, detected, _config(backend, "flat"), engine_dtype=writer.engine_dtype),

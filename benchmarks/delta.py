@@ -7,8 +7,8 @@ scaled, on every rank, as an optimizer step would change it), so every sync has 
 Methods, interleaved: `ours-complete` (SyncConfig(delta=False): every tensor), `ours-delta` (the default: what can
 change, with the check of the skipped weights; its check time is reported apart), `ours-delta-nocheck`
 (delta_check=False), and `trl` (TRL 1.16's LoRA path: `merge_adapter()`, its own FSDP2 walk with one engine call per
-tensor, `unmerge_adapter()`; FSDP2 only: under FSDP1 it merges into shards and fails, see README). The engine is the
-real vLLM CPU engine in each rank (`cpu`), or the engine-layout buffers of the GPU benchmark (`buffers`).
+tensor, `unmerge_adapter()`; FSDP2 only: under FSDP1 it merges into shards and fails, see docs/design.md). The engine
+is the real vLLM CPU engine in each rank (`cpu`), or the engine-layout buffers of the GPU benchmark (`buffers`).
 """
 
 from __future__ import annotations
@@ -137,11 +137,13 @@ def _measure(
     for sync in syncs.values():
         sync.sync()  # the first sync of each is complete
     check_seconds: list[float] = []
+    skipped_bytes: list[int] = []
 
     def run(name: str) -> tuple[int, int]:
         report = syncs[name].sync()
         if name == "ours-delta":
             check_seconds.append(report.check_seconds)
+            skipped_bytes.append(report.skipped_bytes)
         return report.tensors, report.bytes
 
     methods = {name: (lambda n=name: run(n)) for name in syncs}
@@ -157,8 +159,30 @@ def _measure(
             rows.append(Measurement(model_name, backend, f"{targets}/{method}", rep, seconds, tensors, nbytes, peak,
                                     source, world_size, rank).row())  # fmt: skip
     rows.append({"model": model_name, "backend": backend, "method": f"{targets}/check", "rank": rank,
-                 "check_seconds": check_seconds})  # fmt: skip
+                 "check_seconds": check_seconds, "skipped_bytes": skipped_bytes,
+                 "copy_bytes_per_s": _copy_rate(device)})  # fmt: skip
     return rows
+
+
+def _copy_rate(device: torch.device, nbytes: int = 2**31, reps: int = 7) -> float | None:
+    """Bytes moved per second (read plus written) by one device-to-device copy of `nbytes`, median of `reps`: the
+    floors' rate (a check reads each skipped byte once: bytes / rate; a push copies each byte: 2 x bytes / rate)."""
+    import statistics
+    import time
+
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
 
 
 def _base_model(model_name: str, model_dir: str | None, device: torch.device) -> torch.nn.Module:
@@ -166,7 +190,7 @@ def _base_model(model_name: str, model_dir: str | None, device: torch.device) ->
 
     if model_dir is not None:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    from fsdp_sync.testing.models import config_for
+    from fsdp_sync._demo.models import config_for
 
     from .shapes import GPU_SHAPES
 
@@ -180,13 +204,14 @@ def delta_table(rows: list[dict[str, Any]]) -> str:
     import statistics
 
     timed = [r for r in rows if "seconds" in r and r["rank"] == 0]
-    checks = {(r["model"], r["backend"], r["method"].split("/")[0]): r["check_seconds"]
+    checks = {(r["model"], r["backend"], r["method"].split("/")[0]): r
               for r in rows if r.get("method", "").endswith("/check") and r["rank"] == 0}  # fmt: skip
     keys = sorted({(r["model"], r["backend"], r["method"].split("/")[0]) for r in timed})
     lines = [
         "| model | backend | LoRA on | complete ms | delta ms | delta, no check ms | check ms | TRL ms | complete MB | "
-        "delta MB | bytes: complete / delta | time: complete / delta | time: TRL / delta |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "delta MB | bytes: complete / delta | time: complete / delta | time: TRL / delta | complete x floor | "
+        "delta x floor | check x floor |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for model, backend, targets in keys:
         def med(method: str, field: str = "seconds") -> float | None:
@@ -196,11 +221,27 @@ def delta_table(rows: list[dict[str, Any]]) -> str:
 
         complete, delta, nocheck, trl = (med(m) for m in ("ours-complete", "ours-delta", "ours-delta-nocheck", "trl"))
         cbytes, dbytes = med("ours-complete", "bytes"), med("ours-delta", "bytes")
-        check = statistics.median(checks[(model, backend, targets)]) if checks.get((model, backend, targets)) else 0
+        facts = checks.get((model, backend, targets), {})
+        check = statistics.median(facts["check_seconds"]) if facts.get("check_seconds") else 0
+        skipped = statistics.median(facts["skipped_bytes"]) if facts.get("skipped_bytes") else 0
+        rate = facts.get("copy_bytes_per_s")
+        # Floors at the measured copy rate: a push copies each byte it sends (2 x bytes / rate), the check reads each
+        # skipped byte once (bytes / rate). The merge's FLOPs (2 r (in + out) per adapted weight, r = 16) are below
+        # 0.01 ms on this GPU and left out.
+        floors = (2 * cbytes / rate, 2 * dbytes / rate + skipped / rate, skipped / rate) if rate else None
+
+        def over(value: float, floor: float) -> str:
+            return f"{value / floor:.1f}" if floor else "n/a"
+
+        ratios = (
+            " | ".join(over(v, f) for v, f in zip((complete, delta, check), floors, strict=True))
+            if floors
+            else "n/a | n/a | n/a"
+        )
         label = {"qv": "q_proj, v_proj", "all": "all linear"}[targets]
         lines.append(
             f"| {model} | {backend} | {label} | {complete * 1e3:.1f} | {delta * 1e3:.1f} | {nocheck * 1e3:.1f} | "
             f"{check * 1e3:.1f} | {f'{trl * 1e3:.1f}' if trl else 'n/a'} | {cbytes / 1e6:.1f} | {dbytes / 1e6:.1f} | "
-            f"{cbytes / dbytes:.2f} | {complete / delta:.2f} | {f'{trl / delta:.2f}' if trl else 'n/a'} |"
+            f"{cbytes / dbytes:.2f} | {complete / delta:.2f} | {f'{trl / delta:.2f}' if trl else 'n/a'} | {ratios} |"
         )
     return "\n".join(lines)

@@ -1,6 +1,7 @@
-"""README's fault table: the fault model (`fsdp_sync.faults.FAULT_POINTS`) with what the end-to-end tests measured.
+"""The fault table of docs/failures.md: the fault model (`fsdp_sync.faults.FAULT_POINTS`) with what the end-to-end
+tests measured.
 
-    python -m benchmarks.faults          prints the table (README "Failure behaviour" holds it between markers)
+    python -m benchmarks.faults          prints the table (docs/failures.md holds it between markers)
 
 The measured columns come from `results/faults.json`, written by `tests/e2e/test_failures.py` when it runs with
 FSDP_VLLM_SYNC_RECORD_FAULTS=1: for each fault point, the error types the failing rank and the others raised, what

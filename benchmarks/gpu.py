@@ -26,7 +26,7 @@ def _config(backend: str, strategy: str):
 def _build(model_name: str, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from fsdp_sync.testing.models import config_for
+    from fsdp_sync._demo.models import config_for
 
     from .shapes import GPU_SHAPES
 
@@ -45,7 +45,8 @@ def _measure_backend(
     from fsdp_sync.compat.names import NameRules, canonical_name
     from fsdp_sync.backend import detect_backend
     from fsdp_sync.gather import make_gatherer
-    from fsdp_sync.pipeline import WeightSync, build_plan
+    from fsdp_sync.pipeline import WeightSync
+    from fsdp_sync.stream import build_plan
 
     from .buffers import FusedBuffersWriter
     from .trl_path import trl_sync
@@ -65,7 +66,7 @@ def _measure_backend(
     plan = build_plan(gatherers[OURS[backend][0]], NameRules(), IdentityLayout())
     writer = FusedBuffersWriter({t.name: t.spec for t in plan.tensors}, dtype=torch.bfloat16, device=device)
     syncs = {s: WeightSync(g, writer, backend=backend, device=device) for s, g in gatherers.items()}
-    # The default without its status rounds (what the failure protocol costs, README "Failure behaviour"):
+    # The default without its status rounds (what the failure protocol costs, docs/failures.md):
     # benchmark-side only, the same sync with its coordinator's rounds answered locally.
     syncs["flat-norounds"] = WeightSync(
         make_gatherer(wrapped, detected, _config(backend, "flat"), engine_dtype=torch.bfloat16,

@@ -46,8 +46,8 @@ _CPU_MACHINE = f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo ranks,
 
 def _on_cpu_engines(worker: object, args: argparse.Namespace) -> list[dict]:
     """`worker(rank, world, model name, checkpoint dir, reps)` on 2 gloo ranks per model shape; every rank's rows."""
-    from fsdp_sync.testing.dist import run_distributed
-    from fsdp_sync.testing.models import build_tiny_checkpoint
+    from fsdp_sync._demo.dist import run_distributed
+    from fsdp_sync._demo.models import build_tiny_checkpoint
 
     from .shapes import CPU_SHAPES
 
@@ -82,8 +82,8 @@ def _delta(args: argparse.Namespace) -> None:
 
     import torch
 
-    from fsdp_sync.testing.dist import run_distributed
-    from fsdp_sync.testing.models import build_tiny_checkpoint
+    from fsdp_sync._demo.dist import run_distributed
+    from fsdp_sync._demo.models import build_tiny_checkpoint
 
     from .delta import delta_table, delta_worker
     from .shapes import CPU_SHAPES
@@ -112,9 +112,9 @@ def _delta(args: argparse.Namespace) -> None:
 def _server(args: argparse.Namespace) -> None:
     import os
 
-    from fsdp_sync.testing.dist import free_port, run_distributed
-    from fsdp_sync.testing.models import build_tiny_checkpoint
-    from fsdp_sync.testing.vllm_server import VLLMServerProcess
+    from fsdp_sync._demo.dist import free_port, run_distributed
+    from fsdp_sync._demo.models import build_tiny_checkpoint
+    from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
     from .server import server_worker
     from .shapes import CPU_SHAPES
@@ -140,7 +140,7 @@ def _server(args: argparse.Namespace) -> None:
 def _gpu(args: argparse.Namespace) -> None:
     import torch
 
-    from fsdp_sync.testing.dist import run_distributed
+    from fsdp_sync._demo.dist import run_distributed
 
     from .gpu import gpu_worker
 

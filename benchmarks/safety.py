@@ -27,7 +27,7 @@ def safety_worker(rank: int, world_size: int, model_name: str, model_dir: str, r
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.gather import make_gatherer
     from fsdp_sync.pipeline import WeightSync
-    from fsdp_sync.testing.engine import keep_engine_weights_readable
+    from fsdp_sync._demo.engine import keep_engine_weights_readable
     from fsdp_sync.writers import ColocateWriter
 
     keep_engine_weights_readable()
@@ -41,7 +41,7 @@ def safety_worker(rank: int, world_size: int, model_name: str, model_dir: str, r
         detected = detect_backend(wrapped)
         gatherer = make_gatherer(wrapped, detected, SyncConfig(), engine_dtype=writer.engine_dtype)
         syncs = {
-            name: WeightSync(gatherer, writer, rules=NameRules(), backend=backend, **options)
+            name: WeightSync(gatherer, writer, SyncConfig(delta=False, **options), rules=NameRules(), backend=backend)
             for name, options in VARIANTS.items()
         }
         verify_seconds: list[float] = []

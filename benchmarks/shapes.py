@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fsdp_sync.testing.models import TinySpec
+from fsdp_sync._demo.models import TinySpec
 
 # CPU (real vLLM CPU engine): about 36M and 150M parameters.
 CPU_SHAPES: dict[str, TinySpec] = {

@@ -1,6 +1,9 @@
 """compat: pure name mapping, checkpoint layouts, the manifest check, and version/feature detection.
 
-Nothing here runs a collective or holds trainer state; `fsdp_sync` builds on it, never the other way round.
+Nothing here runs a collective or holds trainer state; `fsdp_sync` builds on it, never the other way round. The
+adapters only read what the installed vLLM, TRL and torch offer (`engine_api`, `reload_api`, `weight_transfer`,
+`server_api`, `trl_api`, `torch_api`); the one module that changes what vLLM does is `vllm_patches`, each patch
+saying which versions need it and when it can go.
 """
 
 from .checkpoint import read_checkpoint_manifest

@@ -4,25 +4,25 @@ Why: the path from `vllm.LLM` to the worker and model moved between vLLM release
 in-process execution, `driver_worker` directly in older ones), the in-place `reload_weights(weights_iterator=...,
 is_checkpoint_format=...)` appeared in vLLM 0.16 (before it the method took no arguments and re-read the checkpoint
 from disk), and `reset_prefix_cache` grew keyword arguments. Writers ask this module and never probe the engine
-themselves.
+themselves. Read-only adapters only: the patches of vLLM's internals live in `compat/vllm_patches.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .reload_api import direct_reload_enabled, has_layerwise_reload
+from .vllm_patches import keep_moe_experts_processed_on_reload
 
 __all__ = [
     "EngineHandle",
+    "EngineLayout",
     "EngineNameMapper",
     "EngineNaming",
     "engine_handle",
@@ -30,11 +30,8 @@ __all__ = [
     "engine_name_mapper",
     "engine_naming",
     "engine_naming_for_architectures",
-    "keep_moe_experts_processed_on_reload",
     "packed_modules",
     "packed_modules_for_architectures",
-    "quiet_partial_reload",
-    "refresh_tied_cpu_gemms",
     "reset_prefix_cache",
     "split_worker_digests",
     "wake_up_weights",
@@ -278,6 +275,23 @@ class EngineNaming:
         return name, 0, 1
 
 
+@dataclass(frozen=True)
+class EngineLayout:
+    """What an engine says of its own weights, read once per plan: where it loads each checkpoint tensor, which of
+    its modules own parameters, and whether it can show its digests.
+
+    Attributes:
+        naming: where vLLM loads each checkpoint tensor.
+        modules: paths of the engine modules that own parameters; None where the engine does not list them.
+        no_digests: where the engine cannot show its own weight digests, the error a digest check raises (it says
+            why and what to change); None where it can.
+    """
+
+    naming: EngineNaming
+    modules: frozenset[str] | None = None
+    no_digests: Exception | None = None
+
+
 def engine_naming(model: torch.nn.Module) -> EngineNaming:
     """The `EngineNaming` of an in-process engine model."""
     return EngineNaming(packed_modules(model), engine_name_mapper(model))
@@ -306,119 +320,3 @@ def split_worker_digests(checksums: dict[str, str]) -> tuple[list[dict[str, str]
         sharded = sharded or (pp, pcp, tp) != ("pp0", "pcp0", "tp0")
         replicas.setdefault(dp, {})[name] = digest
     return list(replicas.values()), sharded
-
-
-class _PartialReloadFilter(logging.Filter):
-    """Drops vLLM's warnings about weights a reload was not given (expected when a sync sends only what changed)."""
-
-    MESSAGES = ("Failed to load weights", "Following weights were not loaded from checkpoint")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(m in str(record.msg) for m in self.MESSAGES)
-
-
-@contextlib.contextmanager
-def quiet_partial_reload() -> Iterator[None]:
-    """While a reload runs: vLLM's layer-wise reload warns once per layer it received nothing for, and once more
-    listing them; a delta sync leaves most layers out on purpose, so those two warnings are dropped (the sync's own
-    report says what was skipped)."""
-    loggers = [
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise"),
-        logging.getLogger("vllm.model_executor.model_loader.reload.inplace"),
-    ]
-    quiet = _PartialReloadFilter()
-    for log in loggers:
-        log.addFilter(quiet)
-    try:
-        yield
-    finally:
-        for log in loggers:
-            log.removeFilter(quiet)
-
-
-def refresh_tied_cpu_gemms(model: torch.nn.Module) -> list[str]:
-    """After a reload on vLLM's CPU platform: repack the GEMM of every layer whose weight is tied to another module's
-    (the output head tied to the embedding). Returns the modules repacked.
-
-    Why: vLLM-CPU packs each linear layer's weight for its GEMM when the layer is processed (`cpu_linear`, from
-    `dispatch_cpu_unquantized_gemm`). A tied head is never loaded itself (its checkpoint name is skipped), so the
-    layer-wise reload never processes it: the embedding's new values reach the shared parameter, but the head keeps
-    computing logits from the pack of the old ones (measured on vLLM 0.32 with tied Qwen2: first-token logprobs off by
-    up to 4 after an embedding update, with every parameter bit-exact). `remove_weight=False`: the weight is the
-    embedding's too.
-    """
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            owners[id(param)] = owners.get(id(param), 0) + 1
-    repacked: list[str] = []
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and owners.get(id(weight), 0) > 1:
-            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-            repacked.append(name)
-    return repacked
-
-
-def keep_moe_experts_processed_on_reload(model: torch.nn.Module) -> list[str]:
-    """Make every reload of a mixture-of-experts layer end in the layout its experts kernel computes with, as the
-    first load does. Idempotent; returns the layers changed by this call.
-
-    Why: vLLM 0.32's `UnquantizedFusedMoEMethod._setup_kernel` runs the experts kernel's own post-load step
-    (`FusedMoEExperts.process_weights_after_loading`) only when it builds the kernel, not on a weight update. On the
-    CPU platform that step prepacks `w13_weight`/`w2_weight` for `cpu_fused_moe`, so after a reload the experts hold
-    plain weights that the kernel reads as packed ones: every engine parameter equals what was sent, and the model
-    computes something else (measured on vLLM 0.32 with a tiny Qwen3-MoE: first-token logprobs off by 0.07 after
-    reloading unchanged experts, by 1.0 after a change; a fresh engine from the same weights agrees with the trainer).
-
-    What: each such layer's quant method gets an instance wrapper that, on a weight update of a kernel whose experts
-    class has a post-load step, runs that step after vLLM's own processing, unless vLLM ran it itself (a fixed
-    vLLM) or rebuilt the kernel; the layer-wise reload then copies the result into the kernel's storage. Only the
-    unquantized method is wrapped: its update path is the one read here; quantized methods process differently.
-    """
-    try:
-        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-    except ImportError:  # a vLLM without the modular MoE kernels
-        return []
-    changed: list[str] = []
-    for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        if not isinstance(method, UnquantizedFusedMoEMethod) or "process_weights_after_loading" in vars(method):
-            continue
-        method.process_weights_after_loading = _experts_step_on_update(method, FusedMoEExperts)
-        changed.append(name)
-    return changed
-
-
-def _experts_step_on_update(method: Any, base: type) -> Callable[[torch.nn.Module], None]:
-    """`method.process_weights_after_loading`, followed on a weight update by the experts kernel's own step (see
-    `keep_moe_experts_processed_on_reload`); `base` is the class whose no-op step means there is none."""
-    original = method.process_weights_after_loading  # the bound class method
-
-    def process_weights_after_loading(layer: torch.nn.Module) -> None:
-        kernel = getattr(method, "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        step = getattr(type(experts), "process_weights_after_loading", None)
-        if experts is None or step is base.process_weights_after_loading:  # no kernel yet, or no step of its own
-            original(layer)
-            return
-        ran = False
-        class_step = experts.process_weights_after_loading
-
-        def counted(target: torch.nn.Module) -> None:
-            nonlocal ran
-            ran = True
-            class_step(target)
-
-        experts.process_weights_after_loading = counted
-        try:
-            original(layer)
-        finally:
-            del experts.process_weights_after_loading
-        if not ran and getattr(method, "moe_kernel", None) is kernel:
-            experts.process_weights_after_loading(layer)
-
-    return process_weights_after_loading

@@ -18,14 +18,14 @@ _EXPORTS: dict[str, str] = {
     "EngineState": "errors",
     "EngineWriter": "writers",
     "FSDPVLLMSyncMixin": "mixin",
-    "IncompleteSyncError": "pipeline",
+    "IncompleteSyncError": "stream",
     "NonFiniteWeightsError": "errors",
     "PeftMerge": "peft_merge",
     "RemoteSyncError": "errors",
     "ServerWriter": "writers",
     "SyncConfig": "config",
     "SyncError": "errors",
-    "SyncPlan": "pipeline",
+    "SyncPlan": "stream",
     "SyncReport": "report",
     "SyncStageError": "errors",
     "SyncTimeoutError": "errors",
@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from .gather import make_gatherer
     from .mixin import FSDPVLLMSyncMixin
     from .peft_merge import PeftMerge, UnsupportedAdapterError
-    from .pipeline import IncompleteSyncError, SyncPlan, WeightSync
+    from .pipeline import WeightSync
+    from .stream import IncompleteSyncError, SyncPlan
     from .report import SyncReport
     from .writers import ColocateWriter, EnginePushError, EngineWriter, ServerWriter
 

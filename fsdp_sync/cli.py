@@ -12,6 +12,9 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
 
 __all__ = [
     "EXIT_FAILED",
@@ -19,7 +22,9 @@ __all__ = [
     "EXIT_USAGE",
     "HelpFormatter",
     "UsageError",
+    "first_line",
     "make_parser",
+    "meta_model",
     "positive_int",
     "require",
     "run",
@@ -84,3 +89,23 @@ def run(command: str, body: Callable[[], int]) -> int:
     except UsageError as e:
         print(f"{command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def first_line(error: Exception) -> str:
+    """The first line of a library's error message (transformers' and PEFT's can span many)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def meta_model(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM of a checkpoint directory, built from its config on the meta device (both check tools)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # The structure comes from the config alone, on the meta device: no weight is read, and a checkpoint that does
+    # not match the model is reported by the check instead of failing the load.
+    try:
+        config = AutoConfig.from_pretrained(str(directory))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (OSError, ValueError) as e:  # unreadable config, unknown model type, not a causal LM
+        raise UsageError(f"cannot build a causal LM from {directory / 'config.json'}: {first_line(e)}") from e

@@ -15,7 +15,7 @@ class SyncConfig:
     """How weights are gathered and pushed.
 
     Attributes:
-        fsdp1_strategy: `"flat"` (default; fastest measured on CPU and GPU, see README "Benchmarks"): one all-gather
+        fsdp1_strategy: `"flat"` (default; fastest measured on CPU and GPU, see docs/benchmarks.md): one all-gather
             per FSDP unit of its flat shard cast to the engine dtype, the next unit's gather overlapping the current
             push. `"unit"`: `summon_full_params(unit, recurse=False)` one unit at a time, parents first; peak memory
             one unit. `"root"`: one `summon_full_params(root, recurse=True)`; peak memory the whole model, on every
@@ -48,7 +48,7 @@ class SyncConfig:
         verify: after each push, compare the engine's own per-parameter sha256 digests with digests of what was
             sent (computed trainer-side in the engine's fused layout); a difference raises `VerifyError` on every
             rank; weights the engine cannot show are reported as unverifiable. Costs a hash of every byte on both
-            sides (README "Failure behaviour" has the figures).
+            sides (docs/failures.md has the figures).
     """
 
     fsdp1_strategy: str = "flat"

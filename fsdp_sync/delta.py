@@ -33,8 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_sync.compat.engine_api import EngineNaming
+from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 from fsdp_sync.compat.manifest import PlannedTensor
+
+from . import bitsums
 
 __all__ = ["DeltaTracker", "EngineGroups", "Selection", "fingerprints", "nbytes"]
 
@@ -51,8 +53,9 @@ def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     for one int64 reduction pass there), which detects every change of one element up to 4 bytes wide and any other
     change but with probability 2^-32. On an accelerator (no copy to the host): three int64 sums over the bits x_j,
     sum(x_j), sum((j mod P) x_j) and sum((j // P) x_j); two swapped elements i != j leave all three equal only if
-    i = j mod P and i // P = j // P, i.e. never, and any single changed element changes the first. Reductions over a
-    (rows, P) view with int64 accumulation, so no int64 copy of the tensor is made.
+    i = j mod P and i // P = j // P, i.e. never, and any single changed element changes the first. On CUDA one
+    Triton pass over all watched tensors (`fingerprints`, `fsdp_sync.bitsums`); elsewhere reductions over a (rows, P)
+    view with int64 accumulation, so no int64 copy of the tensor is made.
     """
     return _crc_fingerprint(tensor) if tensor.device.type == "cpu" else _sum_fingerprint(tensor)
 
@@ -99,14 +102,35 @@ def _positions(device: torch.device, n: int) -> torch.Tensor:
     return cached
 
 
+def _words(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor's bits as 1-D int64 words, where its bytes are a whole number of them (else None)."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return raw.view(torch.int64) if raw.numel() % 8 == 0 else None
+
+
 def fingerprints(shards: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.Tensor]]:
-    """Fingerprints of each named tensor (three int64 sums, on the tensor's device), in order."""
+    """Fingerprints of each named tensor (three int64 values, on the tensor's device), in order.
+
+    NOTE: on CUDA, the tensors of whole int64 words are summed together, one Triton launch per device
+    (`fsdp_sync.bitsums`: the same values as `_sum_fingerprint`, one read of their bits); the rest as `_fingerprint`.
+    """
     names: list[str] = []
-    prints: list[torch.Tensor] = []
+    prints: list[torch.Tensor | None] = []
+    batched: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    kernel = bitsums.available()
     for name, tensor in shards:
         names.append(name)
-        prints.append(_fingerprint(tensor))
-    return names, prints
+        words = _words(tensor) if kernel and tensor.device.type == "cuda" else None
+        if words is None:
+            prints.append(_fingerprint(tensor))
+        else:
+            batched.setdefault(tensor.device, []).append((len(prints), words))
+            prints.append(None)
+    for batch in batched.values():
+        sums = bitsums.bit_sums([w for _, w in batch], _PERIOD)
+        for row, (k, _) in enumerate(batch):
+            prints[k] = sums[row]
+    return names, prints  # type: ignore[return-value]
 
 
 class EngineGroups:
@@ -126,6 +150,11 @@ class EngineGroups:
         self._modules = frozenset(engine_modules or ())
         # Every proper ancestor of an engine module: "does the engine have modules under this path" in one lookup.
         self._ancestors = frozenset(m.rsplit(".", k)[0] for m in self._modules for k in range(1, m.count(".") + 1))
+
+    @classmethod
+    def of(cls, layout: EngineLayout) -> EngineGroups:
+        """The grouping of an engine, from what it says of its weights (`EngineWriter.engine_layout`)."""
+        return cls(layout.naming, layout.modules)
 
     def group(self, name: str) -> str:
         """The engine module a checkpoint tensor is loaded into: its own, after renaming and fusing; where the

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli import EXIT_FAILED, EXIT_OK, UsageError, make_parser, positive_int, require, run
-from .testing.models import FAMILIES
+from ._demo.models import FAMILIES
 
 __all__ = ["build_parser", "main"]
 
@@ -111,8 +111,8 @@ def _demo(args: argparse.Namespace) -> int:
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out}: exists and is not a directory; name a directory (it is created if new)")
 
-    from .testing.launch import launch_job
-    from .testing.models import build_tiny_checkpoint
+    from ._demo.launch import launch_job
+    from ._demo.models import build_tiny_checkpoint
 
     out = args.out or Path(tempfile.mkdtemp(prefix="fsdp-vllm-sync-demo-"))
     model_dir = build_tiny_checkpoint(out / "model", args.family)
@@ -120,15 +120,15 @@ def _demo(args: argparse.Namespace) -> int:
     job_args = ["--model-dir", str(model_dir), "--out-dir", str(out / "job"), "--check", "--steps", str(args.steps)]
     with contextlib.ExitStack() as stack:
         if args.vllm_mode == "server":
-            from .testing.dist import free_port
-            from .testing.vllm_server import VLLMServerProcess
+            from .distributed import free_port
+            from ._demo.vllm_server import VLLMServerProcess
 
             print("starting a vLLM server on 127.0.0.1 (weight transfer: gloo) ...")
             server = stack.enter_context(VLLMServerProcess(model_dir, out / "server.log"))
             print(f"server up at {server.base_url} after {server.startup_seconds:.0f} s (log: {out / 'server.log'})")
             job_args += ["--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port())]
         print(f"launching GRPO on 2 CPU processes with {args.backend}, vLLM mode {args.vllm_mode} ...")
-        result = launch_job("fsdp_sync.testing.grpo_job", job_args, out / "job", backend=args.backend)
+        result = launch_job("fsdp_sync._demo.grpo_job", job_args, out / "job", backend=args.backend)
     if len(result.ranks) != 2:
         print(result.log[-5000:])
         print(f"ERROR: the job exited with {result.returncode}; log: {out / 'job' / 'launch.log'}")

@@ -13,6 +13,7 @@ import atexit
 import datetime
 import logging
 import pickle
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from .errors import RankFailure, SyncError, SyncTimeoutError
 
-__all__ = ["Coordinator", "Rounds", "distributed", "rank", "world_size"]
+__all__ = ["Coordinator", "Rounds", "distributed", "free_port", "rank", "world_size"]
 
 _T = TypeVar("_T")
 
@@ -39,6 +40,13 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if distributed() else 1
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a one-process group, or a launcher's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # One group per (training world, timeout, purpose): creating a group is itself a collective, so every WeightSync
@@ -232,7 +240,7 @@ class Rounds:
     holds undefined values. So before a unit's all-gather starts, every rank says whether its part is ready, and
     before a gathered unit is handed on, every rank says whether it arrived; a failure anywhere (including
     downstream of the gather: the name mapping, the merge, the cast, the engine) stops every rank at the next round,
-    together, having handed on only units that every rank gathered whole. See README "Failure behaviour".
+    together, having handed on only units that every rank gathered whole. See docs/failures.md.
 
     Args:
         coordinator: the sync's control group; None for a single process.

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .cli import EXIT_FAILED, EXIT_OK, UsageError, make_parser, positive_int, require, run
+from .cli import EXIT_FAILED, EXIT_OK, UsageError, make_parser, meta_model, positive_int, require, run
 
 __all__ = ["DTYPES", "build_parser", "dry_run", "main"]
 
@@ -43,12 +43,6 @@ exit codes:
   2  a mistake in the arguments or the model directory, or a missing optional dependency (one line on stderr)"""
 
 
-def _first_line(error: Exception) -> str:
-    """The first line of a library's error message (transformers' and PEFT's can span many)."""
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
-
-
 def _model_dir(path_or_id: str) -> Path:
     """The local checkpoint directory of `path_or_id` (a directory, or a hub id already in the local cache).
 
@@ -67,19 +61,6 @@ def _model_dir(path_or_id: str) -> Path:
     if not (directory / "config.json").is_file():
         raise UsageError(f"{directory} has no config.json; pass the Hugging Face model directory the engine loads")
     return directory
-
-
-def _load(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    # The structure comes from the config alone, on the meta device: no weight is read, and a checkpoint that does
-    # not match the model is reported by the check instead of failing the load.
-    try:
-        config = AutoConfig.from_pretrained(str(directory))
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (OSError, ValueError) as e:  # unreadable config, unknown model type, not a causal LM
-        raise UsageError(f"cannot build a causal LM from {directory / 'config.json'}: {_first_line(e)}") from e
 
 
 def _add_lora(model: torch.nn.Module, targets: list[str], r: int) -> torch.nn.Module:
@@ -153,7 +134,7 @@ def dry_run(
     from .config import SyncConfig
     from .gather import make_gatherer
     from .peft_merge import PeftMerge
-    from .pipeline import build_plan
+    from .stream import build_plan
 
     out = out or sys.stdout
     directory = _model_dir(model_dir)
@@ -163,7 +144,7 @@ def dry_run(
         manifest = read_checkpoint_manifest(directory)
     except FileNotFoundError as e:
         raise UsageError(f"{e}; the check compares the trainer's names with the weights the engine loads") from e
-    model = _load(directory, dtype)
+    model = meta_model(directory, dtype)
     if lora:
         model = _add_lora(model, lora, lora_r)
     model = _wrap(model, backend)
@@ -277,7 +258,7 @@ def _check(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from .testing.dist import free_port
+    from .distributed import free_port
 
     if (args.backend != "plain" or args.compare_fsdp2) and not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

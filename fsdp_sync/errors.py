@@ -36,7 +36,7 @@ class RankFailure:
             manifest, before anything is gathered), `check` (the non-finite or delta check of the local shards),
             `gather` (this rank's part of the all-gathers), `map`, `merge`, `cast` (turning a gathered tensor into
             the engine's), `push` (the engine or the transport), `verify` (the optional read-back of the engine's
-            digests). README "Failure behaviour" lists the fault points of each.
+            digests). docs/failures.md lists the fault points of each.
     """
 
     rank: int

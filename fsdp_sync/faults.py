@@ -2,7 +2,7 @@
 
 Why a seam: a fault test that patches the library's private methods goes quiet when a refactor renames them. Here
 the library itself calls `fault_point(name, ...)` at every such point, the points are a declared list
-(`FAULT_POINTS`, rendered into README "Failure behaviour"), and `fault_point` refuses a name that is not in it. A test
+(`FAULT_POINTS`, rendered into docs/failures.md), and `fault_point` refuses a name that is not in it. A test
 installs an `Injector` and checks that every point it armed was reached, so a point that disappears from the code
 fails that test instead of silently passing it.
 

@@ -14,61 +14,75 @@ Both are collectives under FSDP: every rank must call them, in the same order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import replace
+import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
-
-from .assemble import build_sync
+from .assemble import build_stream
 from .backend import Backend, detect_backend, unwrap_outer, user_model
 from .config import SyncConfig
-from .distributed import rank
-from .pipeline import WeightSync
+from .distributed import Coordinator, Rounds, rank
+from .errors import RankFailure, StreamInterrupted, agreed_error
+from .memory import MemoryMeter
 
-__all__ = ["full_module", "full_weights_sync", "iter_full_weights"]
+__all__ = ["FullWeights", "full_module", "iter_full_weights"]
+
+logger = logging.getLogger(__name__)
 
 # Bounded by the largest unit: no next unit in flight (the sync's default overlaps one for speed).
 _DEFAULT_CONFIG = SyncConfig(prefetch_bytes=0)
 
 
-class _Iterating:
-    """The `EngineWriter` side of an iteration: nothing is written; tensors are copied out where the gatherer would
-    reuse their storage at the next unit (`retains_tensors`), so what the caller keeps stays valid."""
+class FullWeights:
+    """One pass of the sync's stream with no engine behind it: `(checkpoint name, full tensor)`, each its own copy.
+    Every rank must iterate it to the end (it runs the gathers); a failure on any rank raises on every rank.
 
-    kind = "iterator"
-    pushes = True
-    retains_tensors = True
+    Attributes:
+        meter: the accounted peak of the pass.
+    """
 
-    def __init__(self, dtype: torch.dtype | None) -> None:
-        self.engine_dtype = dtype
+    def __init__(self, model: nn.Module, *, dtype: torch.dtype | None = None, config: SyncConfig | None = None):
+        inner = user_model(model)
+        device = next((p.device for p in inner.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        config = config or _DEFAULT_CONFIG
+        self.stream = build_stream(model, config, dtype=dtype, device=device)
+        self.coordinator = Coordinator(config.sync_timeout_s)
 
-    def manifest(self) -> EngineManifest:
-        raise AssertionError("no engine manifest: the iteration checks nothing against an engine")
+    @property
+    def meter(self) -> MemoryMeter:
+        return self.stream.meter
 
-    def prepare(self, planned: Sequence[PlannedTensor]) -> None:
-        """Nothing to announce."""
+    def _agree(self, error: Exception | None, stage: str) -> list[RankFailure]:
+        failure = RankFailure(rank(), stage, f"{type(error).__name__}: {error}") if error is not None else None
+        return self.coordinator.agree(failure)
 
-    def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        raise AssertionError("an iteration is consumed by its caller, not written")
-
-    def finish(self) -> None:
-        """Nothing to finish."""
-
-
-def full_weights_sync(
-    model: nn.Module, *, dtype: torch.dtype | None = None, config: SyncConfig | None = None
-) -> WeightSync:
-    """The sync pipeline that `iter_full_weights` runs, without an engine (its `meter` has the accounted peak)."""
-    inner = user_model(model)
-    device = next((p.device for p in inner.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    # Nothing is checked against an engine, and every weight is wanted every time.
-    options = replace(config or _DEFAULT_CONFIG, check_manifest=False, delta=False, verify=False, check_finite=False)
-    return build_sync(model, _Iterating(dtype), options, device=device)  # type: ignore[arg-type]
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # NOTE: the plan is metadata only (no collective), so a rank cannot fail it alone while the others gather.
+        plan = self.stream.plan()
+        for d in plan.dropped:
+            logger.info("full weights: not yielding %s: %s", d.name, d.reason)
+        self.meter.start()
+        rounds = Rounds(self.coordinator)
+        run = self.stream.open(plan, rounds, copy=True)
+        try:
+            yield from run
+        except StreamInterrupted:
+            pass
+        except GeneratorExit:
+            # NOTE: the caller stopped reading part-way on this rank: the others still learn it at the next round
+            # and in the agreement (they raise RemoteSyncError) instead of waiting for this rank's gathers.
+            rounds.fail("map", RuntimeError("the caller stopped reading the full weights part-way"))
+            run.drain()
+            self._agree(rounds.error, "map")
+            raise
+        run.drain()
+        failures = self._agree(rounds.error, rounds.stage or "map")
+        if failures:
+            raise agreed_error(rounds.error, failures, None)
 
 
 def iter_full_weights(
@@ -92,13 +106,12 @@ def iter_full_weights(
         rank0_only: yield on rank 0 only; the other ranks still take part in every gather and get nothing.
         config: gather strategy and prefetch (default: the flat strategy, no prefetch).
     """
-    sync = full_weights_sync(model, dtype=dtype, config=config)
-    stream = sync.stream()
+    weights = FullWeights(model, dtype=dtype, config=config)
     if rank0_only and rank() != 0:
-        for _ in stream:
+        for _ in weights:
             pass
         return
-    yield from stream
+    yield from weights
 
 
 @contextlib.contextmanager

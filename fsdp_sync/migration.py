@@ -131,17 +131,17 @@ def _plan(model_dir: Path, spec: WrapSpec, dtype: torch.dtype, engine_dtype: tor
 
     from .backend import detect_backend, user_model
     from .config import SyncConfig
-    from .dry_run import _load
+    from .cli import meta_model
     from .gather import make_gatherer
-    from .gather.flat import _gather_dtype
-    from .pipeline import build_plan
+    from .gather.collectives import gather_dtype
+    from .stream import build_plan
 
-    model = wrap_on_one_rank(_load(model_dir, dtype), spec)
+    model = wrap_on_one_rank(meta_model(model_dir, dtype), spec)
     inner = user_model(model)
     gatherer = make_gatherer(model, detect_backend(model), SyncConfig(), engine_dtype=engine_dtype)
     plan = build_plan(gatherer, NameRules.for_model(inner), layout_for(inner))
     tensors = {
-        t.name: (tuple(t.spec.shape), t.spec.dtype, _gather_dtype(t.spec.dtype, engine_dtype)) for t in plan.tensors
+        t.name: (tuple(t.spec.shape), t.spec.dtype, gather_dtype(t.spec.dtype, engine_dtype)) for t in plan.tensors
     }
     return _Planned(gatherer.strategy, tensors)
 

@@ -34,7 +34,8 @@ from .distributed import Coordinator, rank
 from .errors import EngineState, RankFailure, SyncError, UnsupportedSetupError, agreed_error
 from .faults import fault_point
 from .assemble import build_sync
-from .pipeline import SyncPlan, WeightSync
+from .pipeline import WeightSync
+from .stream import SyncPlan
 from .report import SyncReport
 from .writers import ColocateWriter, EngineWriter
 

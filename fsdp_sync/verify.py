@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fsdp_sync.compat.engine_api import EngineNaming
+from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 
 __all__ = ["EMPTY_DIGEST", "EngineDigests", "VerifyResult", "tensor_bytes"]
 
@@ -99,6 +99,17 @@ class EngineDigests:
         self._naming = naming
         self._entries: dict[str, _Fused] = {}
         self.seconds = 0.0
+
+    @classmethod
+    def of(cls, layout: EngineLayout) -> EngineDigests:
+        """An empty digest set in an engine's layout (`EngineWriter.engine_layout`).
+
+        Raises:
+            Exception: the engine's own error where it cannot show its digests (nothing was sent yet).
+        """
+        if layout.no_digests is not None:
+            raise layout.no_digests
+        return cls(layout.naming)
 
     def reset(self) -> None:
         self._entries = {}

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """`checkpoints(family)` -> path of a tiny local checkpoint of that family, built on first use."""
-    from fsdp_sync.testing.models import build_tiny_checkpoint
+    from fsdp_sync._demo.models import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")
     built: dict[str, Path] = {}
@@ -31,6 +31,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
 
 
 _TESTS_ROOT = Path(__file__).resolve().parent
+# Each suite folder is a marker (registered in pyproject.toml), so a local run can pick the fast ones:
+# `pytest tests -m unit` (under a minute on 2 cores), `-m "not e2e"` (unit and distributed). CI runs everything.
+_SUITES = ("unit", "dist", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its suite folder's name."""
+    for item in items:
+        suite = Path(str(item.path)).resolve().relative_to(_TESTS_ROOT).parts[0]
+        if suite in _SUITES:
+            item.add_marker(suite)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

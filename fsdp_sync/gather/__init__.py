@@ -10,9 +10,8 @@ from torch import nn
 from ..backend import Backend, UnsupportedBackendError, unwrap_outer
 from ..config import SyncConfig
 from .base import GatherFailed, Gatherer
-from .fsdp1 import FSDP1RootSummonGatherer, FSDP1UnitGatherer
-from .flat import FSDP1FlatGatherer, FSDP2FlatGatherer
-from .fsdp2 import FSDP2ParamGatherer, FSDP2UnitGatherer
+from .fsdp1 import FSDP1FlatGatherer, FSDP1RootSummonGatherer, FSDP1UnitGatherer
+from .fsdp2 import FSDP2FlatGatherer, FSDP2ParamGatherer, FSDP2UnitGatherer
 from .plain import PlainGatherer
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""FSDP1 (`FullyShardedDataParallel`) gatherers: per-unit stream (default) and single root summon.
+"""FSDP1 (`FullyShardedDataParallel`) gatherers: flat (the default: one all-gather of each unit's flat-parameter
+shard in the engine dtype), per-unit summon, and single root summon.
 
 The seed bug: TRL walks the FSDP units child-first and calls `summon_full_params(unit, recurse=False)` on each. Before
 the model's first forward no unit has been lazily initialised, so the first summoned child marks *itself* as root;
@@ -14,10 +15,12 @@ summoning one unit at a time is what FSDP expects, before or after the first for
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from collections.abc import Iterable, Iterator
 from functools import reduce
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -27,8 +30,9 @@ from ..distributed import Rounds
 from ..faults import fault_point
 from ..memory import MemoryMeter
 from .base import group_units, sync_rounds, until_failed as _until_failed
+from .collectives import FlatBase, InFlight, gather_dtype, launch_or_join, pipelined
 
-__all__ = ["FSDP1RootSummonGatherer", "FSDP1UnitGatherer", "fsdp1_units"]
+__all__ = ["FSDP1FlatGatherer", "FSDP1RootSummonGatherer", "FSDP1UnitGatherer", "fsdp1_units"]
 
 _WRAPPED = "_fsdp_wrapped_module"
 
@@ -209,3 +213,97 @@ class FSDP1RootSummonGatherer(_FSDP1Base):
                 yield from _until_failed(run, self._iter_ignored(select))
             finally:
                 meter.release(nbytes)
+
+
+@dataclass
+class _Gather:
+    """One prepared all-gather: this rank's shard, the output buffer (None: the shard is the full tensor), group."""
+
+    local: torch.Tensor
+    out: torch.Tensor | None
+    group: dist.ProcessGroup | None
+
+
+class FSDP1FlatGatherer(_FSDP1Base, FlatBase):
+    """FSDP1: all-gather each unit's local flat-parameter shard, cast to the engine dtype, and unflatten it.
+
+    NOTE: reads FSDP1's flat-parameter handle (`_handle.flat_param`, its process group and `_get_unflat_views`), the
+    same metadata `summon_full_params` uses; FSDP1 is frozen (torch 2.0-2.13). Units nested in PEFT tuner layers
+    need module-level full views for the merge, so PEFT models use the per-unit summon strategy instead.
+    """
+
+    strategy = "fsdp1-flat"
+    tensors_outlive_step = True  # each unit's views keep their own freshly allocated buffer alive
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        engine_dtype: torch.dtype | None = None,
+        compute_device: torch.device | None = None,
+        prefetch_bytes: int = 2**30,
+        timeout_s: float | None = None,
+    ) -> None:
+        super().__init__(model)
+        self._init_flat(timeout_s)
+        self.engine_dtype = engine_dtype
+        self.compute_device = compute_device
+        self.prefetch_bytes = prefetch_bytes
+        self._units = [visit[0] for visit in self._visits]  # no companions without merge scopes
+        self._sizes = [
+            sum(spec.numel * gather_dtype(spec.dtype, engine_dtype).itemsize for _, _, spec in params)
+            for _, params in self._units
+        ]
+
+    def _prepare(self, k: int) -> _Gather | None:
+        """This rank's shard of unit k, on the compute device, in the gather dtype, and the unit's output buffer
+        (this rank's own work); None for a unit with nothing to gather."""
+        fault_point("gather.prepare", unit=self._order[k], units=len(self._order))
+        unit, params = self._units[k]
+        handle = unit._handle
+        if handle is None or not params:
+            return None
+        flat = handle.flat_param.detach()
+        if self.compute_device is not None:
+            flat = flat.to(self.compute_device)
+        local = flat.to(gather_dtype(flat.dtype, self.engine_dtype))
+        world = dist.get_world_size(handle.process_group) if handle.uses_sharded_strategy else 1
+        if world == 1:  # the shard is the full flat parameter: no collective, no copy
+            return _Gather(local, None, handle.process_group)
+        out = torch.empty(local.numel() * world, dtype=local.dtype, device=local.device)
+        self._meter.hold_until_freed(out)
+        return _Gather(local.contiguous(), out, handle.process_group)
+
+    def _launch(self, k: int, prepared: _Gather | None) -> InFlight | None:
+        if prepared is None:
+            return None
+        if prepared.out is None:
+            return InFlight(None, prepared.local)
+        (work,) = launch_or_join(self._run, self._order[k], len(self._order), [(prepared.out, prepared.local)],
+                                  prepared.group)  # fmt: skip
+        return InFlight(work, prepared.out, self._settle)
+
+    def _collect(self, k: int, pending: InFlight | None) -> list[tuple[str, torch.Tensor]]:
+        if pending is None:
+            return []
+        full = pending.wait(self._timeout)
+        fault_point("gather.unflatten", unit=self._order[k], units=len(self._order))
+        unit, params = self._units[k]
+        numel = unit._handle.flat_param._unpadded_unsharded_size.numel()
+        views = unit._handle._get_unflat_views(full[:numel])
+        select = self._select
+        pairs = zip(params, views, strict=True)
+        return [(name, view) for (name, _, _), view in pairs if select is None or name in select]
+
+    def iter_full(
+        self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self._meter, self._select, self._run = meter, select, self._rounds(rounds)
+        # NOTE: a flat parameter is gathered whole: a unit with any selected parameter is visited entire.
+        visits = [k for k, (_, ps) in enumerate(self._units) if select is None or any(n in select for n, _, _ in ps)]
+        self._order = {k: i for i, k in enumerate(visits)}  # position in this gather, for the fault points
+        yield from pipelined(
+            visits, self._prepare, self._launch, self._collect, self._sizes, self.prefetch_bytes, self._run
+        )
+        if not self._run.stopped and not self._run.failed:
+            yield from self._iter_ignored(select)

@@ -1,5 +1,5 @@
-"""FSDP2 (`fully_shard`) gatherers: per-unit unshard and per-parameter `full_tensor()` (the default, "flat", is in
-`flat.py`).
+"""FSDP2 (`fully_shard`) gatherers: flat (the default: each parameter's local shard, cast to the engine dtype,
+all-gathered straight into its full layout), per-unit unshard and per-parameter `full_tensor()`.
 
 Per unit: `FSDPModule.unshard()` runs one grouped all-gather for all parameters of the unit (not recursive), the
 unit's parameters become plain full tensors, and `reshard()` frees them. Per parameter: one all-gather per DTensor.
@@ -8,12 +8,14 @@ Plain tensors (ignored parameters, modules outside any unit) pass through both u
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_sync.compat.manifest import TensorSpec
 from fsdp_sync.compat.torch_api import fsdp2_param_groups
@@ -22,8 +24,16 @@ from ..distributed import Rounds
 from ..faults import fault_point
 from ..memory import MemoryMeter
 from .base import group_units, local_named_parameters, spec_of, sync_rounds
+from .collectives import FlatBase, InFlight, gather_dtype, launch_or_join, pipelined
 
-__all__ = ["FSDP2ParamGatherer", "FSDP2UnitGatherer", "fsdp2_local_shards", "fsdp2_trainable", "fsdp2_units"]
+__all__ = [
+    "FSDP2FlatGatherer",
+    "FSDP2ParamGatherer",
+    "FSDP2UnitGatherer",
+    "fsdp2_local_shards",
+    "fsdp2_trainable",
+    "fsdp2_units",
+]
 
 
 def fsdp2_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -206,3 +216,197 @@ class FSDP2UnitGatherer:
             finally:
                 for unit in to_unshard:
                     unit.reshard()
+
+
+@dataclass(frozen=True)
+class _Slot:
+    name: str
+    rows: int  # rows per rank (ceil of dim 0 over the world size)
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # on the wire
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def local_numel(self) -> int:
+        return self.rows * self.row_numel
+
+
+@dataclass(frozen=True)
+class _Visit:
+    """One unit: the names it yields in order, the parameters gathered flat, the rest (full_tensor), and its mesh."""
+
+    names: list[str]
+    slots: list[_Slot]
+    others: list[str]
+    mesh: object
+
+
+class FSDP2FlatGatherer(FlatBase):
+    """FSDP2: each parameter's local shard, cast to the engine dtype, all-gathered straight into its full layout
+    (asynchronously, all of a unit's gathers in flight together, the next unit's started during the current push).
+
+    FSDP2 shards dim 0 like `torch.chunk`: every rank holds at most `ceil(d0 / world)` rows, the short chunks last.
+    Gathering `ceil(d0 / world)` rows from every rank (short shards padded) into a `world * ceil(d0 / world)`-row
+    block therefore lays the full parameter out in order: its first `d0` rows, with no copy afterwards. Parameters
+    that are not `Shard(0)` DTensors on a 1-D mesh (plain tensors, other layouts) are materialised one by one, as in
+    the per-parameter strategy.
+    """
+
+    strategy = "fsdp2-flat"
+    tensors_outlive_step = True  # every full tensor is a view of its unit's fresh buffer (or a fresh tensor)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        engine_dtype: torch.dtype | None = None,
+        compute_device: torch.device | None = None,
+        prefetch_bytes: int = 2**30,
+        timeout_s: float | None = None,
+    ) -> None:
+        self._init_flat(timeout_s)
+        self._select: frozenset[str] | None = None
+        self.model = model
+        self.engine_dtype = engine_dtype
+        self.compute_device = compute_device
+        self.prefetch_bytes = prefetch_bytes
+        planned = dict(model.named_parameters())
+        # NOTE: by name once, not one `get_parameter` (a module walk) per parameter and sync; FSDP2 keeps the
+        # parameter objects (its DTensors) for the module's lifetime.
+        self._params = planned
+        units = fsdp2_units(model)
+        if not units:
+            raise ValueError(f"{type(model).__name__} contains no FSDP2 (fully_shard) unit")
+        visits = ([] if isinstance(model, FSDPModule) else [("", model)]) + units
+        emitted: set[str] = set()
+        self._visits: list[_Visit] = []
+        for path, unit in visits:
+            names = [n for n, _ in local_named_parameters(unit, path, FSDPModule) if n in planned and n not in emitted]
+            emitted.update(names)
+            slots: list[_Slot] = []
+            others: list[str] = []
+            mesh = None
+            for name in names:
+                param = planned[name]
+                if not _flat_gatherable(param):
+                    others.append(name)
+                    continue
+                mesh = param.device_mesh
+                rows = math.ceil(param.shape[0] / mesh.size())
+                slots.append(_Slot(name, rows, tuple(param.shape), gather_dtype(param.dtype, engine_dtype)))
+            # Grouped by wire dtype, as the collectives are launched.
+            slots.sort(key=lambda slot: str(slot.dtype))
+            self._visits.append(_Visit(names, slots, others, mesh))
+        self._specs = {n: spec_of(planned[n]) for visit in self._visits for n in visit.names}
+        self._sizes = [
+            sum(visit.mesh.size() * s.local_numel * s.dtype.itemsize for s in visit.slots) if visit.slots else 0
+            for visit in self._visits
+        ]
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return dict(self._specs)
+
+    def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return fsdp2_local_shards(self.model, self._specs if names is None else names)
+
+    @torch.no_grad()
+    def _cast(self, local: torch.Tensor, slot: _Slot) -> torch.Tensor:
+        """A local shard on the compute device, in the wire dtype."""
+        if self.compute_device is not None:
+            local = local.to(self.compute_device)
+        return local.to(slot.dtype)
+
+    def _local(self, slot: _Slot) -> torch.Tensor:
+        """This rank's shard of one parameter as a 1-D tensor of `slot.rows` rows in its wire dtype (padded if
+        short)."""
+        # Detached: a tensor that required grad would make the collective's in-place writes illegal.
+        local = self._params[slot.name].to_local().detach()
+        if local.shape[0] == slot.rows:
+            return self._cast(local, slot).contiguous().view(-1)
+        if self.compute_device is not None:
+            local = local.to(self.compute_device)
+        padded = torch.empty(slot.local_numel, dtype=slot.dtype, device=local.device)
+        padded[: local.numel()].copy_(local.reshape(-1))  # the padding rows are never read back
+        return padded
+
+    def _slots(self, k: int) -> list[_Slot]:
+        """Unit k's flat-gathered parameters this sync gathers (all, or those selected)."""
+        select = self._select
+        return [s for s in self._visits[k].slots if select is None or s.name in select]
+
+    def _prepare(self, k: int) -> list[tuple[_Slot, torch.Tensor, torch.Tensor | None]]:
+        """This rank's shard of each of unit k's flat-gathered parameters, in slot order, with its output buffer
+        (None where the local shard is the full parameter): this rank's own work."""
+        fault_point("gather.prepare", unit=self._order[k], units=len(self._order))
+        visit = self._visits[k]
+        world = visit.mesh.size() if visit.mesh is not None else 1
+        if world == 1:  # the local shards are the full parameters, in their own shape: nothing to gather
+            params = self._params
+            return [(slot, self._cast(params[slot.name].to_local().detach(), slot), None) for slot in self._slots(k)]
+        prepared: list[tuple[_Slot, torch.Tensor, torch.Tensor | None]] = []
+        for slot in self._slots(k):
+            local = self._local(slot)
+            # NOTE: one output per parameter, not one per unit: a consumer still holding a unit's last tensor while
+            # it asks for the next unit then pins one parameter, not the whole unit.
+            out = torch.empty(world * local.numel(), dtype=slot.dtype, device=local.device)
+            self._meter.hold_until_freed(out)
+            prepared.append((slot, local, out))
+        return prepared
+
+    def _launch(
+        self, k: int, prepared: list[tuple[_Slot, torch.Tensor, torch.Tensor | None]]
+    ) -> list[tuple[_Slot, InFlight]]:
+        gathers = [(out, local) for _, local, out in prepared if out is not None]
+        if not gathers:  # nothing to gather: the local shards are the full parameters
+            return [(slot, InFlight(None, local)) for slot, local, _ in prepared]
+        works = launch_or_join(self._run, self._order[k], len(self._order), gathers, self._visits[k].mesh.get_group())
+        pairs = zip(prepared, works, strict=True)
+        return [(slot, InFlight(work, out, self._settle)) for (slot, _, out), work in pairs]
+
+    def _collect(self, k: int, pending: list[tuple[_Slot, InFlight]]) -> list[tuple[str, torch.Tensor]]:
+        """Wait for unit k's all-gathers and return its full tensors in yield order; the parameters that are not
+        flat-gathered are materialised here, before the round (each `full_tensor()` is a collective of its own)."""
+        visit = self._visits[k]
+        outs = {slot.name: (slot, in_flight.wait(self._timeout)) for slot, in_flight in pending}
+        pending.clear()
+        fault_point("gather.unflatten", unit=self._order[k], units=len(self._order))
+        select = self._select
+        items: list[tuple[str, torch.Tensor]] = []
+        for name in visit.names:
+            if select is not None and name not in select:
+                continue
+            if name in outs:
+                slot, out = outs.pop(name)
+                full = out if out.shape == slot.shape else out[: slot.shape[0] * slot.row_numel].view(slot.shape)
+                items.append((name, full))
+            else:
+                items.append((name, _full_tensor(self.model.get_parameter(name), self.compute_device, self._meter)))
+        return items
+
+    def trainable(self) -> frozenset[str]:
+        return fsdp2_trainable(self.model, self._specs)
+
+    def iter_full(
+        self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self._meter, self._select, self._run = meter, select, self._rounds(rounds)
+        # Units that own no parameter this sync sends (accelerate's FSDP2 wrap has some) are not visited.
+        visits = [k for k, v in enumerate(self._visits) if any(select is None or n in select for n in v.names)]
+        self._order = {k: i for i, k in enumerate(visits)}  # position in this gather, for the fault points
+        sizes = [
+            sum(v.mesh.size() * s.local_numel * s.dtype.itemsize for s in self._slots(k)) if v.slots else 0
+            for k, v in enumerate(self._visits)
+        ]
+        yield from pipelined(visits, self._prepare, self._launch, self._collect, sizes, self.prefetch_bytes, self._run)
+
+
+def _flat_gatherable(param: torch.Tensor) -> bool:
+    return (
+        isinstance(param, DTensor)
+        and param.device_mesh.ndim == 1
+        and tuple(param.placements) == (Shard(0),)
+        and param.ndim >= 1
+    )

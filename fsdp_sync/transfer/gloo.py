@@ -210,7 +210,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         logger.info("gloo weight transfer: joined %s:%d as rank %d", init_info.master_address, init_info.master_port, rank)
 
     def start_weight_update(self) -> None:
-        from fsdp_sync.compat.engine_api import keep_moe_experts_processed_on_reload
+        from fsdp_sync.compat.vllm_patches import keep_moe_experts_processed_on_reload
         from fsdp_sync.compat.reload_api import begin_reload, eager_reload_tensors
 
         keep_moe_experts_processed_on_reload(self.model)
@@ -219,7 +219,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         self._eager = eager_reload_tensors(self.model)
 
     def finish_weight_update(self) -> None:
-        from fsdp_sync.compat.engine_api import refresh_tied_cpu_gemms
+        from fsdp_sync.compat.vllm_patches import refresh_tied_cpu_gemms
         from fsdp_sync.compat.reload_api import end_reload
 
         end_reload(self.model, self.model_config, self.device)
@@ -238,7 +238,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
             # NOTE: the layer-wise reload has moved every layer to the meta device; without finalising, the engine
             # cannot generate at all. Layers that received part of their weights are given their previous ones back
             # first (vLLM would process them from what they have, leaving the rest uninitialised).
-            from fsdp_sync.compat.engine_api import refresh_tied_cpu_gemms
+            from fsdp_sync.compat.vllm_patches import refresh_tied_cpu_gemms
             from fsdp_sync.compat.reload_api import finalize_failed_reload
 
             previous, new = finalize_failed_reload(self.model, self.model_config, self.device, self._eager)

@@ -1,4 +1,7 @@
-"""The engine-writer protocol: what the sync pipeline needs from a transport."""
+"""The engine-writer protocol: what the sync needs from a transport, and only that: what the engine accepts
+(`manifest`), what it says of its weights (`engine_layout`, `engine_digests`), and the push (`prepare`, `write`,
+`finish`). The delta policy (`fsdp_sync.delta`) and `verify` (`fsdp_sync.verify`) are asked by the sync, never by a
+writer."""
 
 from __future__ import annotations
 
@@ -7,10 +10,8 @@ from typing import Protocol
 
 import torch
 
+from fsdp_sync.compat.engine_api import EngineLayout
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
-
-from ..delta import EngineGroups
-from ..verify import EngineDigests
 
 __all__ = ["EngineWriter"]
 
@@ -54,12 +55,9 @@ class EngineWriter(Protocol):
         """After a complete push: drop state derived from the old weights (prefix cache)."""
         ...
 
-    def engine_groups(self) -> EngineGroups:
-        """Which checkpoint tensors the engine loads into one module (for a delta sync: all of a module or none)."""
-        ...
-
-    def engine_digest_plan(self) -> EngineDigests:
-        """An empty trainer-side digest set in the engine's layout (its fused modules), for `verify`."""
+    def engine_layout(self) -> EngineLayout:
+        """Where the engine loads each checkpoint tensor and which of its modules own parameters (read once per
+        plan, by the delta grouping and by `verify`)."""
         ...
 
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:

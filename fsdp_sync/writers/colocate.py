@@ -19,20 +19,19 @@ import torch
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
 from fsdp_sync.compat.engine_api import (
     EngineHandle,
+    EngineLayout,
     engine_handle,
     engine_naming,
-    quiet_partial_reload,
-    refresh_tied_cpu_gemms,
     reset_prefix_cache,
     split_worker_digests,
     wake_up_weights,
 )
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.reload_api import eager_reload_tensors, finalize_failed_reload
+from fsdp_sync.compat.vllm_patches import quiet_partial_reload, refresh_tied_cpu_gemms
 
 from ..errors import EngineState, StreamInterrupted, SyncError
-from ..delta import EngineGroups
-from ..verify import EngineDigests, tensor_bytes
+from ..verify import tensor_bytes
 
 __all__ = ["ColocateWriter", "EnginePushError"]
 
@@ -121,12 +120,10 @@ class ColocateWriter:
     def finish(self) -> None:
         reset_prefix_cache(self.handle.llm)
 
-    def engine_groups(self) -> EngineGroups:
-        modules = {name.rpartition(".")[0] for name, _ in self.handle.model.named_parameters()}
-        return EngineGroups(engine_naming(self.handle.model), modules)
-
-    def engine_digest_plan(self) -> EngineDigests:
-        return EngineDigests(engine_naming(self.handle.model))
+    def engine_layout(self) -> EngineLayout:
+        model = self.handle.model
+        modules = frozenset(name.rpartition(".")[0] for name, _ in model.named_parameters())
+        return EngineLayout(engine_naming(model), modules)
 
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         compute = getattr(self.handle.worker, "compute_weight_checksums", None)

@@ -21,16 +21,16 @@ import gc
 import json
 import logging
 import socket
-from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import torch
 
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
-from fsdp_sync.compat.engine_api import EngineNaming, engine_naming_for_architectures, split_worker_digests
+from fsdp_sync.compat.engine_api import EngineLayout, engine_naming_for_architectures, split_worker_digests
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.server_api import ServerInfo
 from fsdp_sync.compat.trl_api import ServerAddress
@@ -43,8 +43,6 @@ from ..server_client import (
     ServerRouteMissing,
     ServerUnavailableError,
 )
-from ..delta import EngineGroups
-from ..verify import EngineDigests
 
 __all__ = ["SUPPORTED_BACKENDS", "ServerPushError", "ServerTransportError", "ServerWriter", "check_server"]
 
@@ -374,36 +372,28 @@ class ServerWriter:
             return EngineState("unchanged", note="the round ended before any weight was sent")
         return self.transport.partial_round
 
-    def engine_groups(self) -> EngineGroups:
+    def engine_layout(self) -> EngineLayout:
         # NOTE: the server's parameter names come with its digests (the only route that lists them); read once per
-        # plan, when the sync sends only what changed.
+        # plan, when the sync sends only what changed or verifies.
         assert self.client is not None
+        config = Path(self.checkpoint_dir) / "config.json"
+        architectures = (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
+        naming = engine_naming_for_architectures(architectures)
         try:
             checksums = self.client.weight_checksums()
         except ServerRouteMissing as e:
             logger.warning(
                 "weight sync: %s, so its parameters cannot be listed; delta syncs send whole decoder layers (every "
-                "tensor of a layer that holds anything that can change)",
+                "tensor of a layer that holds anything that can change), and SyncConfig(verify=True) is refused",
                 e,
             )
-            return EngineGroups(self._naming(), None)
-        return EngineGroups(self._naming(), {key.rsplit(":", 1)[-1].rpartition(".")[0] for key in checksums})
-
-    def _naming(self) -> EngineNaming:
-        config = Path(self.checkpoint_dir) / "config.json"
-        architectures = (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
-        return engine_naming_for_architectures(architectures)
-
-    def engine_digest_plan(self) -> EngineDigests:
-        assert self.client is not None
-        try:
-            self.client.weight_checksums()  # the server must show its digests before anything is sent
-        except ServerRouteMissing as e:
-            raise ServerConfigError(
+            refused = ServerConfigError(
                 f"SyncConfig(verify=True) compares the server's own weight digests with what was sent, but {e}. "
                 "Upgrade the server's vLLM, or sync without verify."
-            ) from e
-        return EngineDigests(self._naming())
+            )
+            refused.__cause__ = e
+            return EngineLayout(naming, None, refused)
+        return EngineLayout(naming, frozenset(key.rsplit(":", 1)[-1].rpartition(".")[0] for key in checksums))
 
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         assert self.client is not None

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdp_sync.gather import FSDP2FlatGatherer, FSDP2ParamGatherer, FSDP2UnitGatherer
 from fsdp_sync.gather.base import local_named_parameters
 from fsdp_sync.memory import MemoryMeter
-from fsdp_sync.testing.dist import run_distributed
+from fsdp_sync._demo.dist import run_distributed
 
 from .models import device, full_reference, tiny_lm, train_step
 

@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fsdp_sync import full_module, iter_full_weights
 from fsdp_sync.backend import unwrap_outer
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
-from fsdp_sync.full_weights import full_weights_sync
-from fsdp_sync.testing.dist import run_distributed
+from fsdp_sync.full_weights import FullWeights
+from fsdp_sync._demo.dist import run_distributed
 
 from .models import full_reference, tiny_lm, train_step, wrap
 
@@ -57,9 +57,9 @@ def scenario(rank: int, world_size: int, backend: str, use_orig_params: bool) ->
 
     peaks = []
     for _ in range(4):  # fresh syncs: the release race showed on a first sync, not on every one
-        sync = full_weights_sync(wrapped)
-        _compare(sync.stream(), reference)
-        peaks.append(sync.meter.accounted_peak_bytes)
+        weights = FullWeights(wrapped)
+        _compare(weights, reference)
+        peaks.append(weights.meter.accounted_peak_bytes)
     out["peak"], out["bound"] = max(peaks), largest_unit + largest_tensor
 
     bf16 = {n: t.to(torch.bfloat16) for n, t in reference.items()}

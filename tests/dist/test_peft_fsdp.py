@@ -23,7 +23,7 @@ from fsdp_sync.config import SyncConfig
 from fsdp_sync.gather import make_gatherer
 from fsdp_sync.peft_merge import PeftMerge
 from fsdp_sync.pipeline import WeightSync
-from fsdp_sync.testing.dist import run_distributed
+from fsdp_sync._demo.dist import run_distributed
 
 from .models import device, decoder_layer_cls, tiny_lm, train_step
 

@@ -23,7 +23,7 @@ from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import EngineState, SyncError
 from fsdp_sync.gather import make_gatherer
 from fsdp_sync.pipeline import WeightSync
-from fsdp_sync.testing.dist import run_distributed
+from fsdp_sync._demo.dist import run_distributed
 from fsdp_sync.writers import EnginePushError
 
 from .models import tiny_lm, train_step, wrap
@@ -70,7 +70,12 @@ def _sync(model: torch.nn.Module, engine: RecordingEngine, timeout_s: float) -> 
     backend = detect_backend(model)
     config = SyncConfig(sync_timeout_s=timeout_s)
     gatherer = make_gatherer(model, backend, config)
-    return WeightSync(gatherer, engine, check_manifest=False, timeout_s=timeout_s, backend=backend.value)
+    return WeightSync(
+        gatherer,
+        engine,
+        SyncConfig(delta=False, check_manifest=False, sync_timeout_s=timeout_s),
+        backend=backend.value,
+    )
 
 
 def _expected(model: torch.nn.Module, backend: str) -> dict[str, torch.Tensor]:

@@ -8,9 +8,9 @@ from typing import Any
 
 from safetensors import safe_open
 
-from fsdp_sync.testing.launch import LaunchResult, launch_job
+from fsdp_sync._demo.launch import LaunchResult, launch_job
 
-JOB = "fsdp_sync.testing.grpo_job"
+JOB = "fsdp_sync._demo.grpo_job"
 WRAPPER_FLAG = {"fsdp1": "is_fsdp1", "fsdp2": "is_fsdp2", "ddp": "is_ddp"}
 
 

@@ -27,7 +27,7 @@ def main(family: str, out: Path) -> None:
     from vllm import LLM, SamplingParams
 
     from fsdp_sync.compat.engine_api import engine_handle
-    from fsdp_sync.testing.models import build_tiny_checkpoint, read_checkpoint
+    from fsdp_sync._demo.models import build_tiny_checkpoint, read_checkpoint
     from fsdp_sync.writers import ColocateWriter
 
     base_dir = build_tiny_checkpoint(out / "base", family)

@@ -4,9 +4,9 @@ library's own seam (never its private names) on one rank of a real TRL GRPO job 
 
 For every injected fault: the fault fired where it was armed; every rank raised a `SyncError` (the failing rank its
 own type, the others `RemoteSyncError`) naming the failing rank and the stage the fault model declares, within the
-bound of README "Failure behaviour"; every engine weight then holds its previous or its new value (never a third:
+bound of docs/failures.md; every engine weight then holds its previous or its new value (never a third:
 finite, no placeholder), checked weight by weight against what the error says; and the mixin's next sync (before the
-next generation) is bit-exact, as is every later one. The measured times go to README's fault table
+next generation) is bit-exact, as is every later one. The measured times go to docs/failures.md's fault table
 (`python -m benchmarks.faults`; `tests/unit/test_fault_model.py` checks it against `FAULT_POINTS` and
 `benchmarks/results/faults.json`, which these tests write with FSDP_VLLM_SYNC_RECORD_FAULTS=1).
 """
@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 
 from fsdp_sync.faults import FAULT_POINTS
-from fsdp_sync.testing.dist import free_port
-from fsdp_sync.testing.vllm_server import VLLMServerProcess
+from fsdp_sync._demo.dist import free_port
+from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
 from .helpers import WRAPPER_FLAG, run_grpo
 
 pytestmark = pytest.mark.e2e
 
-# Every rank raises within this many seconds of the sync's start (README "Failure behaviour"): a failure is learned
+# Every rank raises within this many seconds of the sync's start (docs/failures.md): a failure is learned
 # at the next status round, one unit later; the 2-core CI machine runs 2-3 ranks, their engines and a server.
 BOUND_S = 10.0
 # The points every sync reaches in these jobs, after the first (build, plan), in the order they are injected.
@@ -93,7 +93,7 @@ def _check_faults(result: Any, faults: list[tuple[int, str, int, str]], backend:
 
 
 def _record(name: str, timings: list[dict]) -> None:
-    """With FSDP_VLLM_SYNC_RECORD_FAULTS=1: keep the measured times for README's fault table."""
+    """With FSDP_VLLM_SYNC_RECORD_FAULTS=1: keep the measured times for docs/failures.md's fault table."""
     if os.environ.get("FSDP_VLLM_SYNC_RECORD_FAULTS") != "1":
         return
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}

@@ -1,4 +1,4 @@
-"""Stock TRL 1.16 (no mixin) on the same setup, recorded as it behaves, for the README's comparison.
+"""Stock TRL 1.16 (no mixin) on the same setup, recorded as it behaves, for docs/design.md's comparison.
 
 - As shipped, its colocated push (`model.load_weights([(name, t)])` once per tensor) fails on vLLM's CPU backend,
   whose repacked linear layers have no `weight_loader`.

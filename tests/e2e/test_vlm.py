@@ -6,7 +6,7 @@ match the trainer's model.
 vLLM serves Qwen2-VL with its language model under `language_model.` (its weights mapper renames the checkpoint's
 `model.*`) and declares the fused `qkv_proj`/`gate_up_proj` on that component only, so these runs also check that
 delta syncs find whole engine modules through the renaming. The test stack has no torchvision (see
-`fsdp_sync.testing.no_torchvision`, put on every rank's PYTHONPATH here).
+`fsdp_sync._demo.no_torchvision`, put on every rank's PYTHONPATH here).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_sync.testing.models import build_tiny_vlm_checkpoint
-from fsdp_sync.testing.no_torchvision import SITE_DIR
+from fsdp_sync._demo.models import build_tiny_vlm_checkpoint
+from fsdp_sync._demo.no_torchvision import SITE_DIR
 
 from .helpers import assert_synced_every_time, checkpoint_tensor_count, run_grpo
 
@@ -37,7 +37,7 @@ def _without_torchvision(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _vision_tensors(model_dir: Path) -> int:
-    from fsdp_sync.testing.models import read_checkpoint
+    from fsdp_sync._demo.models import read_checkpoint
 
     return sum(1 for name in read_checkpoint(model_dir) if name.startswith("visual."))
 

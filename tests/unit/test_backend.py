@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdp_sync.backend import Backend, UnsupportedBackendError, detect_backend, unwrap_outer, user_model
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.memory import MemoryMeter
-from fsdp_sync.testing.dist import free_port
+from fsdp_sync._demo.dist import free_port
 
 CPU = torch.device("cpu")
 
@@ -175,7 +175,7 @@ def test_compiled_fsdp2_unit_is_kept(mesh: DeviceMesh) -> None:
 
 def test_sync_config_defaults_and_valid_strategies() -> None:
     """Every documented strategy pair is accepted; the defaults are the flat strategy on both FSDP versions (the
-    fastest measured, README "Benchmarks")."""
+    fastest measured, docs/benchmarks.md)."""
     assert (SyncConfig().fsdp1_strategy, SyncConfig().fsdp2_strategy) == ("flat", "flat")
     for fsdp1 in ("flat", "unit", "root"):
         for fsdp2 in ("flat", "unit", "param"):

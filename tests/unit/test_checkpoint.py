@@ -132,7 +132,7 @@ def test_lm_head_optional_when_tied(tmp_path: Path, config: dict, lm_head_option
 def test_vision_language_config_ties_at_the_top_level(tmp_path: Path) -> None:
     """Regression: transformers 5.19's Qwen2VLTextConfig has no `tie_word_embeddings` (the model ties by its top-level
     config); reading it from the text sub-config raised AttributeError and failed every Qwen2-VL sync."""
-    from fsdp_sync.testing.models import build_tiny_vlm_checkpoint
+    from fsdp_sync._demo.models import build_tiny_vlm_checkpoint
 
     model_dir = build_tiny_vlm_checkpoint(tmp_path)
     assert read_checkpoint_manifest(model_dir).optional == frozenset({"lm_head.weight"})
@@ -148,7 +148,7 @@ def test_tiny_checkpoint_manifest_matches_files(tmp_path: Path) -> None:
     """On a tiny qwen2 checkpoint the manifest equals the safetensors header and lm_head is optional (tied)."""
     from safetensors import safe_open
 
-    from fsdp_sync.testing.models import build_tiny_checkpoint
+    from fsdp_sync._demo.models import build_tiny_checkpoint
 
     directory = build_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
     manifest = read_checkpoint_manifest(directory)

@@ -12,10 +12,11 @@ import pickle
 import pytest
 import torch
 
-from fsdp_sync.compat.engine_api import EngineNaming
+from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
 from fsdp_sync.delta import DeltaTracker, EngineGroups, fingerprints
 from fsdp_sync.pipeline import WeightSync
+from fsdp_sync.config import SyncConfig
 
 from .test_pipeline import EMBED, NORM, Q_PROJ, WRAPPED_EMBED, WRAPPED_NORM, WRAPPED_Q_PROJ, FakeGatherer, FakeWriter
 from .test_pipeline import _manifest_for, _tensors
@@ -43,7 +44,7 @@ def test_engine_groups_of_a_vision_language_model_rename_and_fall_back_to_the_pa
     """vLLM 0.32's Qwen2-VL: its weights mapper moves `model.*` to `language_model.model.*`, and the model class
     declares no packed mapping (its language model does). Renamed, with the mapping: exact groups. Renamed, without
     it (server mode reads the class only): q, k and v still go together, with their parent module."""
-    from fsdp_sync.testing.no_torchvision import install
+    from fsdp_sync._demo.no_torchvision import install
 
     install()  # vLLM's Qwen2-VL module imports a torchvision-backed transformers module
     from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -148,8 +149,8 @@ def test_fingerprints_see_one_changed_element_and_a_swap(dtype: torch.dtype, siz
 
 
 class GroupingWriter(FakeWriter):
-    def engine_groups(self) -> EngineGroups:
-        return EngineGroups(EngineNaming(PACKED), ())
+    def engine_layout(self) -> EngineLayout:
+        return EngineLayout(EngineNaming(PACKED), frozenset())
 
 
 def _q_proj_trained(**options: bool) -> tuple[dict[str, torch.Tensor], FakeGatherer, GroupingWriter, WeightSync]:
@@ -158,7 +159,7 @@ def _q_proj_trained(**options: bool) -> tuple[dict[str, torch.Tensor], FakeGathe
     gatherer = FakeGatherer(tensors)
     gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
     writer = GroupingWriter(_manifest_for(tensors))
-    return tensors, gatherer, writer, WeightSync(gatherer, writer, **{"delta": True, **options})
+    return tensors, gatherer, writer, WeightSync(gatherer, writer, SyncConfig(**{"delta": True, **options}))
 
 
 def test_first_sync_complete_then_only_the_trainable_weights() -> None:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fsdp_sync.dry_run import main
-from fsdp_sync.testing.models import build_tiny_checkpoint
+from fsdp_sync._demo.models import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

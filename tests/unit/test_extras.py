@@ -85,7 +85,7 @@ def _transformers_dtype_keyword() -> bool:
     """The dry run builds the model with `AutoModelForCausalLM.from_config(config, dtype=...)`."""
     from transformers import AutoModelForCausalLM
 
-    from fsdp_sync.testing.models import TinySpec, config_for
+    from fsdp_sync._demo.models import TinySpec, config_for
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config_for(TinySpec()), dtype=torch.bfloat16)
@@ -93,7 +93,7 @@ def _transformers_dtype_keyword() -> bool:
 
 
 def _accelerate_fsdp2() -> bool:
-    """accelerate configs with `fsdp_version: 2`, and `accelerate to-fsdp2` (the README's recipe)."""
+    """accelerate configs with `fsdp_version: 2`, and `accelerate to-fsdp2` (docs/gpu.md)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     has_version = "fsdp_version" in FullyShardedDataParallelPlugin.__dataclass_fields__

@@ -1,9 +1,9 @@
-"""The fault model (`fsdp_sync.faults`) against the code and the README.
+"""The fault model (`fsdp_sync.faults`) against the code and docs/failures.md.
 
-Why: the README's fault table is what users read to know what a failure does; it is rendered from the declared fault
-points and the times the end-to-end fault tests measured (`benchmarks/results/faults.json`), so it cannot drift
-from either. Every declared point must be reached by the code (a point no code calls would be a fault test that can
-never fire), and an undeclared name must be refused.
+Why: the fault table of docs/failures.md is what users read to know what a failure does; it is rendered from the
+declared fault points and the times the end-to-end fault tests measured (`benchmarks/results/faults.json`), so it
+cannot drift from either. Every declared point must be reached by the code (a point no code calls would be a fault
+test that can never fire), and an undeclared name must be refused.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_readme_fault_table_is_the_rendered_model_with_the_measured_times() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert BEGIN in readme and END in readme, "README lacks the fault table's markers"
+    readme = (ROOT / "docs" / "failures.md").read_text()
+    assert BEGIN in readme and END in readme, "docs/failures.md lacks the fault table's markers"
     shown = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert shown == table(), "README's fault table is stale: paste `python -m benchmarks.faults`"
+    assert shown == table(), "docs/failures.md's fault table is stale: paste `python -m benchmarks.faults`"
 
 
 def test_every_declared_point_was_measured() -> None:

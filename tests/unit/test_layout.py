@@ -9,7 +9,7 @@ import torch
 
 from fsdp_sync.compat.layout import IdentityLayout, TransformersLayout, layout_for
 from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
-from fsdp_sync.testing.models import read_checkpoint
+from fsdp_sync._demo.models import read_checkpoint
 
 
 
@@ -23,7 +23,7 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """The tiny qwen2 model (no load-time conversions)."""
     from transformers import AutoModelForCausalLM
 
-    from fsdp_sync.testing.models import build_tiny_checkpoint
+    from fsdp_sync._demo.models import build_tiny_checkpoint
 
     directory = build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2")
     return AutoModelForCausalLM.from_pretrained(str(directory))
@@ -32,7 +32,7 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny qwen3_moe checkpoint: experts stored per expert, fused by transformers at load time."""
-    from fsdp_sync.testing.models import build_tiny_checkpoint
+    from fsdp_sync._demo.models import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
 

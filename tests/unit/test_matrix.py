@@ -1,6 +1,6 @@
 """The CI matrix (`.ci/matrix.toml`) against what the project says about versions.
 
-Why: "tested with X" is only worth something if X is what CI ran. The README's tested-versions table is rendered
+Why: "tested with X" is only worth something if X is what CI ran. docs/install.md's tested-versions table is rendered
 from the matrix, the `test` extra is the pinned leg, every extra's floor is the oldest version some leg runs, every
 leg's test selection exists, and the environment running this test is one of the legs (each leg also checks its
 versions before its tests run: `.ci/matrix.py check_versions`).
@@ -39,10 +39,14 @@ def _project() -> dict:
 
 def test_readme_table_is_the_rendered_matrix() -> None:
     matrix = _matrix()
-    readme = (ROOT / "README.md").read_text()
-    assert matrix.TABLE_BEGIN in readme and matrix.TABLE_END in readme, "README lacks the generated table's markers"
+    readme = (ROOT / "docs" / "install.md").read_text()
+    assert matrix.TABLE_BEGIN in readme and matrix.TABLE_END in readme, (
+        "docs/install.md lacks the generated table's markers"
+    )
     shown = readme.split(matrix.TABLE_BEGIN, 1)[1].split(matrix.TABLE_END, 1)[0].strip()
-    assert shown == matrix.table(), "README's tested-versions table is stale: paste `python3 .ci/matrix.py table`"
+    assert shown == matrix.table(), (
+        "docs/install.md's tested-versions table is stale: paste `python3 .ci/matrix.py table`"
+    )
 
 
 def test_test_extra_is_the_pinned_leg() -> None:

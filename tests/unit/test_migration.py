@@ -11,7 +11,7 @@ import yaml
 
 from fsdp_sync.dry_run import main
 from fsdp_sync.migration import compare_plans, wrap_spec
-from fsdp_sync.testing.models import build_tiny_checkpoint
+from fsdp_sync._demo.models import build_tiny_checkpoint
 
 # The configuration of the original FSDP bug report (accelerate FSDP1, as TRL's examples ship it).
 SEED_FSDP1 = {

@@ -304,7 +304,7 @@ def test_peft_trainable_tokens_base_layer_maps_to_embedding() -> None:
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny qwen2 checkpoint (tied embeddings, q/k/v biases), written once for this module."""
-    from fsdp_sync.testing.models import build_tiny_checkpoint
+    from fsdp_sync._demo.models import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2")
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from fsdp_sync.compat.names import NameRules, canonical_name
 from fsdp_sync.peft_merge import PeftMerge, UnsupportedAdapterError
-from fsdp_sync.testing.models import build_tiny_checkpoint
+from fsdp_sync._demo.models import build_tiny_checkpoint
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")

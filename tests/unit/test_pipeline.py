@@ -13,14 +13,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_sync.compat.engine_api import EngineNaming
+from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 from fsdp_sync.compat.layout import IdentityLayout
 from fsdp_sync.compat.manifest import EngineManifest, ManifestError, PlannedTensor, TensorSpec
 from fsdp_sync.compat.names import NameRules, canonical_name
 from fsdp_sync.distributed import Coordinator
 from fsdp_sync.errors import RankFailure, SyncError
 from fsdp_sync.memory import MemoryMeter
-from fsdp_sync.pipeline import IncompleteSyncError, SyncPlan, WeightSync, build_plan
+from fsdp_sync.pipeline import WeightSync
+from fsdp_sync.stream import IncompleteSyncError, SyncPlan, build_plan
+from fsdp_sync.config import SyncConfig
 from fsdp_sync.report import SyncReport
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
@@ -226,7 +228,7 @@ def test_plan_is_computed_once_over_three_syncs() -> None:
 def test_check_manifest_false_never_reads_the_manifest() -> None:
     """With check_manifest=False the engine manifest is not read, and the push still happens."""
     writer = FakeWriter(None)
-    WeightSync(FakeGatherer(_tensors()), writer, check_manifest=False).sync()
+    WeightSync(FakeGatherer(_tensors()), writer, SyncConfig(delta=False, check_manifest=False)).sync()
     assert writer.calls == {"manifest": 0, "prepare": 1, "write": 1, "finish": 1}
     assert [name for name, _ in writer.received] == [EMBED, Q_PROJ, NORM]
 
@@ -538,7 +540,9 @@ def test_cast_failure_is_named_cast() -> None:
 
     tensors = _tensors()
     with pytest.raises(SyncError) as err:
-        WeightSync(FakeGatherer(tensors), BadDtype(_manifest_for(tensors)), check_manifest=False).sync()
+        WeightSync(
+            FakeGatherer(tensors), BadDtype(_manifest_for(tensors)), SyncConfig(delta=False, check_manifest=False)
+        ).sync()
     assert [f.stage for f in err.value.failures] == ["cast"]
 
 
@@ -604,7 +608,7 @@ def test_check_finite_names_every_non_finite_weight_and_sends_nothing() -> None:
     gatherer = FakeGatherer(tensors)
     writer = FakeWriter(_manifest_for(tensors))
     with pytest.raises(NonFiniteWeightsError) as err:
-        WeightSync(gatherer, writer, check_finite=True).sync()
+        WeightSync(gatherer, writer, SyncConfig(delta=False, check_finite=True)).sync()
     message = str(err.value)
     assert NORM in message and Q_PROJ in message and EMBED not in message
     assert "Nothing was sent" in message
@@ -615,7 +619,7 @@ def test_check_finite_names_every_non_finite_weight_and_sends_nothing() -> None:
 def test_check_finite_passes_finite_weights() -> None:
     tensors = _tensors()
     writer = FakeWriter(_manifest_for(tensors))
-    report = WeightSync(FakeGatherer(tensors), writer, check_finite=True).sync()
+    report = WeightSync(FakeGatherer(tensors), writer, SyncConfig(delta=False, check_finite=True)).sync()
     assert report.ok and report.tensors == 3
 
 
@@ -627,10 +631,8 @@ class DigestWriter(FakeWriter):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.tamper, self.hide = tamper, hide
 
-    def engine_digest_plan(self):  # type: ignore[no-untyped-def]
-        from fsdp_sync.verify import EngineDigests
-
-        return EngineDigests(EngineNaming())
+    def engine_layout(self) -> EngineLayout:
+        return EngineLayout(EngineNaming())
 
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         import hashlib
@@ -648,7 +650,7 @@ class DigestWriter(FakeWriter):
 def test_verify_passes_an_exact_engine_and_reports_hidden_weights() -> None:
     tensors = _tensors()
     writer = DigestWriter(_manifest_for(tensors, torch.bfloat16), engine_dtype=torch.bfloat16, hide=NORM)
-    report = WeightSync(FakeGatherer(tensors), writer, verify=True).sync()
+    report = WeightSync(FakeGatherer(tensors), writer, SyncConfig(delta=False, verify=True)).sync()
     assert report.verified == 2 and report.unverifiable == 1
     assert report.verify_seconds > 0
 
@@ -659,7 +661,7 @@ def test_verify_catches_an_engine_weight_changed_behind_the_sync() -> None:
     tensors = _tensors()
     writer = DigestWriter(_manifest_for(tensors), tamper=Q_PROJ)
     with pytest.raises(VerifyError, match=r"1 of 3 engine weight\(s\) differ from what was sent: " + Q_PROJ):
-        WeightSync(FakeGatherer(tensors), writer, verify=True).sync()
+        WeightSync(FakeGatherer(tensors), writer, SyncConfig(delta=False, verify=True)).sync()
 
 
 def test_engine_digests_hash_fused_parts_in_engine_order_whatever_the_arrival_order() -> None:

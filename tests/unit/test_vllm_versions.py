@@ -25,7 +25,8 @@ import torch
 from fsdp_sync.compat.engine_api import EngineNaming
 from fsdp_sync.compat.weight_transfer import plan_source, register_backends, source_metadata, source_tensors
 from fsdp_sync.delta import EngineGroups
-from fsdp_sync.testing.vllm_release import release_dir
+from fsdp_sync.verify import EngineDigests
+from fsdp_sync._demo.vllm_release import release_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASES = tomllib.loads((ROOT / ".ci" / "matrix.toml").read_text())["releases"]["vllm"]
@@ -51,7 +52,7 @@ def test_plan_source_reads_as_the_installed_vllm_expects() -> None:
 
 RELEASE_CHECK = """
 import sys, torch
-from fsdp_sync.testing.vllm_release import use_release
+from fsdp_sync._demo.vllm_release import use_release
 use_release(sys.argv[1])
 import vllm.distributed.weight_transfer.base as base
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
@@ -226,11 +227,12 @@ def test_server_writer_without_weight_checker_groups_whole_layers_and_refuses_ve
     writer = ServerWriter(
         ServerClient(old_server, timeout=10), info, group_port=1, buffer_bytes=1024, timeout_s=10
     )
-    groups = writer.engine_groups()
+    layout = writer.engine_layout()
+    groups = EngineGroups.of(layout)
     assert groups.group("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
     assert groups.group("model.layers.3.mlp.experts.7.down_proj.weight") == "model.layers.3"
     with pytest.raises(ServerConfigError, match=r"verify=True.*no route /weight_checker"):
-        writer.engine_digest_plan()
+        EngineDigests.of(layout)
 
 
 def test_engine_groups_without_the_module_list_keep_whole_decoder_layers() -> None:

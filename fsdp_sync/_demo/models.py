@@ -169,7 +169,7 @@ def build_tiny_vlm_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
 
     The language model keeps the shapes of the text families (head_dim 64; the M-RoPE sections add up to 32). The
     image processor config is written as JSON: building transformers' processor objects needs torchvision, which the
-    test stack does not have (see `fsdp_sync.testing.no_torchvision`, which the engine then needs too).
+    test stack does not have (see `fsdp_sync._demo.no_torchvision`, which the engine then needs too).
     """
     from transformers import AutoConfig, AutoModelForImageTextToText
 

@@ -1,6 +1,6 @@
 """A short real GRPO/RLOO run with an in-process vLLM engine, checking the engine after every weight sync.
 
-Launched once per rank (`accelerate launch ... -m fsdp_sync.testing.grpo_job`); each rank writes
+Launched once per rank (`accelerate launch ... -m fsdp_sync._demo.grpo_job`); each rank writes
 `<out>/rank<r>.json` with the wrapper type, the sync reports and, per sync, the weight check. The tests and the demo
 both use it.
 
@@ -106,7 +106,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="DIR",
         help="import vllm.distributed.weight_transfer from DIR (another vLLM release's, see "
-        "fsdp_sync.testing.vllm_release) instead of the installed one",
+        "fsdp_sync._demo.vllm_release) instead of the installed one",
     )
     p.add_argument("--verify", action="store_true", help="SyncConfig(verify=True)")
     p.add_argument("--check-finite", action="store_true", help="SyncConfig(check_finite=True)")
@@ -182,7 +182,7 @@ def full_reference_model(trainer: Any, peft_config: Any) -> tuple[Any, float | N
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from fsdp_sync.backend import unwrap_outer
-    from fsdp_sync.testing.models import auto_model_class
+    from fsdp_sync._demo.models import auto_model_class
 
     wrapped = trainer.model_wrapped
     state = get_model_state_dict(unwrap_outer(wrapped), options=StateDictOptions(full_state_dict=True))
@@ -227,7 +227,7 @@ class EngineChecker:
         from vllm import SamplingParams
 
         from fsdp_sync.compat.engine_api import engine_handle, engine_name_mapper, packed_modules
-        from fsdp_sync.testing.engine import (
+        from fsdp_sync._demo.engine import (
             by_engine_name,
             compare_states,
             engine_state,
@@ -266,7 +266,7 @@ class EngineChecker:
         )
 
     def snapshot(self) -> dict[str, Any]:
-        from fsdp_sync.testing.engine import engine_state
+        from fsdp_sync._demo.engine import engine_state
 
         return engine_state(_engine(self.trainer))
 
@@ -275,7 +275,7 @@ class EngineChecker:
         previous value must equal the snapshot taken before the sync; every other one (except those loaded from
         tensors named undefined) must equal the trainer's new full weight, bit for bit."""
         from fsdp_sync.compat.engine_api import engine_handle, engine_name_mapper, packed_modules
-        from fsdp_sync.testing.engine import (
+        from fsdp_sync._demo.engine import (
             by_engine_name,
             engine_state,
             expected_checkpoint_state,
@@ -361,7 +361,7 @@ class ServerChecker:
         import requests
         import torch
 
-        from fsdp_sync.testing.engine import LOGPROB_PROMPTS
+        from fsdp_sync._demo.engine import LOGPROB_PROMPTS
 
         reference = full.to(self.info.dtype).eval()
         problems: list[str] = []
@@ -382,7 +382,7 @@ class ServerChecker:
         return problems
 
     def snapshot(self) -> dict[str, str]:
-        from fsdp_sync.testing.vllm_server import server_weight_digests
+        from fsdp_sync._demo.vllm_server import server_weight_digests
 
         return server_weight_digests(self.client.base_url)
 
@@ -390,13 +390,13 @@ class ServerChecker:
         """After a failed sync: every server weight must hold its previous value (its digest before the sync) or
         its new one (the trainer's full weight): never a third, and all previous when the error says unchanged."""
         from fsdp_sync.compat.engine_api import engine_model_class, engine_name_mapper, packed_modules_for_architectures
-        from fsdp_sync.testing.engine import (
+        from fsdp_sync._demo.engine import (
             by_engine_name,
             expected_checkpoint_state,
             expected_engine_tensor,
             tensor_digest,
         )
-        from fsdp_sync.testing.vllm_server import server_weight_digests
+        from fsdp_sync._demo.vllm_server import server_weight_digests
 
         full, _ = full_reference_model(self.trainer, self.peft_config)
         architectures = list(full.config.architectures)
@@ -424,8 +424,8 @@ class ServerChecker:
 
     def __call__(self) -> None:
         from fsdp_sync.compat.engine_api import engine_model_class, engine_name_mapper, packed_modules_for_architectures
-        from fsdp_sync.testing.engine import by_engine_name, digest_check, expected_checkpoint_state
-        from fsdp_sync.testing.vllm_server import server_weight_digests
+        from fsdp_sync._demo.engine import by_engine_name, digest_check, expected_checkpoint_state
+        from fsdp_sync._demo.vllm_server import server_weight_digests
 
         full, lora_delta = full_reference_model(self.trainer, self.peft_config)
         digests = server_weight_digests(self.client.base_url)
@@ -623,12 +623,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
-        from fsdp_sync.testing.cpu_fsdp import enable_real_fsdp_on_cpu
+        from fsdp_sync._demo.cpu_fsdp import enable_real_fsdp_on_cpu
 
         enable_real_fsdp_on_cpu()
     server = args.vllm_mode == "server"
     if args.check and not server:
-        from fsdp_sync.testing.engine import keep_engine_weights_readable
+        from fsdp_sync._demo.engine import keep_engine_weights_readable
 
         keep_engine_weights_readable()
 
@@ -636,8 +636,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     from fsdp_sync import FSDPVLLMSyncMixin, SyncConfig
-    from fsdp_sync.testing.models import auto_model_class
-    from fsdp_sync.testing.cpu_fsdp import restore_fsdp_distributed_type
+    from fsdp_sync._demo.models import auto_model_class
+    from fsdp_sync._demo.cpu_fsdp import restore_fsdp_distributed_type
 
     trainer_cls, config_cls, trainer_fields = _trainer_classes(args.trainer)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -645,7 +645,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.model_dir, dtype=torch.float32
     )
     if getattr(model.config, "vision_config", None) is not None and not server:
-        from fsdp_sync.testing.no_torchvision import engines_without_video
+        from fsdp_sync._demo.no_torchvision import engines_without_video
 
         engines_without_video()
     generator = torch.Generator().manual_seed(1234)  # same noise on every rank
@@ -841,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable()  # a native crash prints every thread's Python stack into the launch log
     args = _parse(argv)
     if args.vllm_weight_transfer_from is not None:
-        from fsdp_sync.testing.vllm_release import use_release
+        from fsdp_sync._demo.vllm_release import use_release
 
         use_release(args.vllm_weight_transfer_from)
     out = Path(args.out_dir)

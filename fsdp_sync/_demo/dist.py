@@ -6,7 +6,6 @@ import faulthandler
 import gc
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import traceback
@@ -18,13 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..distributed import free_port
+
 __all__ = ["free_port", "run_distributed"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(

@@ -1,6 +1,6 @@
 """Test environment only: run the trainer side against another vLLM release's own weight-transfer code.
 
-Why: vLLM 0.33 rewrote the trainer-side `WeightSource` (README "Versions"), and no CPU build of vLLM newer than 0.32
+Why: vLLM 0.33 rewrote the trainer-side `WeightSource` (docs/install.md), and no CPU build of vLLM newer than 0.32
 exists, so the installed engine and server stay 0.32. The weight-transfer package (`vllm/distributed/weight_transfer/`)
 is pure Python on the trainer side; `.ci/setup` extracts it from the released wheels (`pip download vllm==0.34.0
 --no-deps`) into `.ci-cache/vllm-<version>/`, and `use_release` makes a trainer process import that package in place

@@ -1,0 +1,145 @@
+"""Patches of vLLM internals: each one works around a measured vLLM behaviour, says which versions need it, and how
+to tell when it can go.
+
+Why a module of its own: everything else in `compat/` only reads vLLM; these change what vLLM does (a method wrapped
+per layer, a GEMM repacked, a logger filtered). Each is applied when an engine is
+opened (`engine_api.engine_handle`, the `gloo` worker) or around a reload, never at import.
+
+- `keep_moe_experts_processed_on_reload`: a reloaded unquantized fused-MoE layer computes from stale packed experts
+  (CPU platform). Needed by vLLM 0.31 and 0.32 (measured; CI's legs run MoE there); it steps aside by itself where
+  vLLM runs the experts' post-load step on an update. Can go when `tests/e2e/test_engine_reload.py` passes with it
+  disabled on every vLLM CI runs.
+- `refresh_tied_cpu_gemms`: a tied output head keeps computing logits from the old embedding's GEMM pack (CPU
+  platform; the tied head is never reloaded itself). Needed by 0.28-0.32 (vLLM-CPU's `cpu_linear`). Can go when the
+  same test (and the logprob check of every end-to-end test) passes with it disabled.
+- `quiet_partial_reload`: vLLM's per-layer warnings for layers a delta sync leaves out on purpose. 0.28-0.34 (the
+  `reload.layerwise` / `reload.inplace` loggers). Can go when vLLM stops warning for layers given nothing; if the
+  loggers are renamed it filters nothing (harmless).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["keep_moe_experts_processed_on_reload", "quiet_partial_reload", "refresh_tied_cpu_gemms"]
+
+
+class _PartialReloadFilter(logging.Filter):
+    """Drops vLLM's warnings about weights a reload was not given (expected when a sync sends only what changed)."""
+
+    MESSAGES = ("Failed to load weights", "Following weights were not loaded from checkpoint")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(m in str(record.msg) for m in self.MESSAGES)
+
+
+@contextlib.contextmanager
+def quiet_partial_reload() -> Iterator[None]:
+    """While a reload runs: vLLM's layer-wise reload warns once per layer it received nothing for, and once more
+    listing them; a delta sync leaves most layers out on purpose, so those two warnings are dropped (the sync's own
+    report says what was skipped)."""
+    loggers = [
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise"),
+        logging.getLogger("vllm.model_executor.model_loader.reload.inplace"),
+    ]
+    quiet = _PartialReloadFilter()
+    for log in loggers:
+        log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for log in loggers:
+            log.removeFilter(quiet)
+
+
+def refresh_tied_cpu_gemms(model: torch.nn.Module) -> list[str]:
+    """After a reload on vLLM's CPU platform: repack the GEMM of every layer whose weight is tied to another module's
+    (the output head tied to the embedding). Returns the modules repacked.
+
+    Why: vLLM-CPU packs each linear layer's weight for its GEMM when the layer is processed (`cpu_linear`, from
+    `dispatch_cpu_unquantized_gemm`). A tied head is never loaded itself (its checkpoint name is skipped), so the
+    layer-wise reload never processes it: the embedding's new values reach the shared parameter, but the head keeps
+    computing logits from the pack of the old ones (measured on vLLM 0.32 with tied Qwen2: first-token logprobs off by
+    up to 4 after an embedding update, with every parameter bit-exact). `remove_weight=False`: the weight is the
+    embedding's too.
+    """
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    repacked: list[str] = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and owners.get(id(weight), 0) > 1:
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked.append(name)
+    return repacked
+
+
+def keep_moe_experts_processed_on_reload(model: torch.nn.Module) -> list[str]:
+    """Make every reload of a mixture-of-experts layer end in the layout its experts kernel computes with, as the
+    first load does. Idempotent; returns the layers changed by this call.
+
+    Why: vLLM 0.32's `UnquantizedFusedMoEMethod._setup_kernel` runs the experts kernel's own post-load step
+    (`FusedMoEExperts.process_weights_after_loading`) only when it builds the kernel, not on a weight update. On the
+    CPU platform that step prepacks `w13_weight`/`w2_weight` for `cpu_fused_moe`, so after a reload the experts hold
+    plain weights that the kernel reads as packed ones: every engine parameter equals what was sent, and the model
+    computes something else (measured on vLLM 0.32 with a tiny Qwen3-MoE: first-token logprobs off by 0.07 after
+    reloading unchanged experts, by 1.0 after a change; a fresh engine from the same weights agrees with the trainer).
+
+    What: each such layer's quant method gets an instance wrapper that, on a weight update of a kernel whose experts
+    class has a post-load step, runs that step after vLLM's own processing, unless vLLM ran it itself (a fixed
+    vLLM) or rebuilt the kernel; the layer-wise reload then copies the result into the kernel's storage. Only the
+    unquantized method is wrapped: its update path is the one read here; quantized methods process differently.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # a vLLM without the modular MoE kernels
+        return []
+    changed: list[str] = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or "process_weights_after_loading" in vars(method):
+            continue
+        method.process_weights_after_loading = _experts_step_on_update(method, FusedMoEExperts)
+        changed.append(name)
+    return changed
+
+
+def _experts_step_on_update(method: Any, base: type) -> Callable[[torch.nn.Module], None]:
+    """`method.process_weights_after_loading`, followed on a weight update by the experts kernel's own step (see
+    `keep_moe_experts_processed_on_reload`); `base` is the class whose no-op step means there is none."""
+    original = method.process_weights_after_loading  # the bound class method
+
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        kernel = getattr(method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        step = getattr(type(experts), "process_weights_after_loading", None)
+        if experts is None or step is base.process_weights_after_loading:  # no kernel yet, or no step of its own
+            original(layer)
+            return
+        ran = False
+        class_step = experts.process_weights_after_loading
+
+        def counted(target: torch.nn.Module) -> None:
+            nonlocal ran
+            ran = True
+            class_step(target)
+
+        experts.process_weights_after_loading = counted
+        try:
+            original(layer)
+        finally:
+            del experts.process_weights_after_loading
+        if not ran and getattr(method, "moe_kernel", None) is kernel:
+            experts.process_weights_after_loading(layer)
+
+    return process_weights_after_loading
