@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .errors import RankFailure, SyncError, SyncTimeoutError
 
-__all__ = ["Coordinator", "Rounds", "distributed", "free_port", "rank", "world_size"]
+__all__ = ["Coordinator", "Rounds", "distributed", "free_port", "own_failure", "rank", "world_size"]
 
 _T = TypeVar("_T")
 
@@ -40,6 +40,11 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if distributed() else 1
+
+
+def own_failure(stage: str, error: Exception | None) -> RankFailure | None:
+    """This rank's record of `error` at `stage`, for an agreement (None when it did not fail)."""
+    return None if error is None else RankFailure(rank(), stage, f"{type(error).__name__}: {error}")
 
 
 def free_port() -> int:
@@ -201,6 +206,10 @@ class Coordinator:
                 f"(SyncConfig.sync_timeout_s) on rank {rank()}: {str(e).rstrip('.! ')}."
             ) from e
         return tuple(r for r, flag in enumerate(started.flags.tolist()) if flag)
+
+    def agree_on(self, stage: str, error: Exception | None) -> list[RankFailure]:
+        """`agree` on this rank's outcome of `stage` (`error`: None when it succeeded here)."""
+        return self.agree(own_failure(stage, error))
 
     def agree(self, failure: RankFailure | None) -> list[RankFailure]:
         """Every rank's failure, on every rank (empty when none failed).

@@ -26,7 +26,7 @@ from .assemble import build_stream
 from .backend import Backend, detect_backend, unwrap_outer, user_model
 from .config import SyncConfig
 from .distributed import Coordinator, Rounds, rank
-from .errors import RankFailure, StreamInterrupted, agreed_error
+from .errors import StreamInterrupted, agreed_error
 from .memory import MemoryMeter
 
 __all__ = ["FullWeights", "full_module", "iter_full_weights"]
@@ -56,10 +56,6 @@ class FullWeights:
     def meter(self) -> MemoryMeter:
         return self.stream.meter
 
-    def _agree(self, error: Exception | None, stage: str) -> list[RankFailure]:
-        failure = RankFailure(rank(), stage, f"{type(error).__name__}: {error}") if error is not None else None
-        return self.coordinator.agree(failure)
-
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         # NOTE: the plan is metadata only (no collective), so a rank cannot fail it alone while the others gather.
         plan = self.stream.plan()
@@ -77,10 +73,10 @@ class FullWeights:
             # and in the agreement (they raise RemoteSyncError) instead of waiting for this rank's gathers.
             rounds.fail("map", RuntimeError("the caller stopped reading the full weights part-way"))
             run.drain()
-            self._agree(rounds.error, "map")
+            self.coordinator.agree_on("map", rounds.error)
             raise
         run.drain()
-        failures = self._agree(rounds.error, rounds.stage or "map")
+        failures = self.coordinator.agree_on(rounds.stage or "map", rounds.error)
         if failures:
             raise agreed_error(rounds.error, failures, None)
 

@@ -30,8 +30,8 @@ from fsdp_sync.compat.weight_transfer import missing_api
 
 from .backend import Backend, detect_backend
 from .config import SyncConfig
-from .distributed import Coordinator, rank
-from .errors import EngineState, RankFailure, SyncError, UnsupportedSetupError, agreed_error
+from .distributed import Coordinator
+from .errors import EngineState, SyncError, UnsupportedSetupError, agreed_error
 from .faults import fault_point
 from .assemble import build_sync
 from .pipeline import WeightSync
@@ -167,8 +167,7 @@ class FSDPVLLMSyncMixin:
                 sync = build_sync(model, self._fvs_writer(), self.sync_config, device=device, backend=backend)
         except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
             error = e
-        own = RankFailure(rank(), "build", f"{type(error).__name__}: {error}") if error is not None else None
-        failures = coordinator.agree(own)
+        failures = coordinator.agree_on("build", error)
         if failures:
             raise agreed_error(error, failures, EngineState("unchanged") if self._fvs_target is not None else None)
         self._fvs_sync, self._fvs_model, self._fvs_backend = sync, model, backend

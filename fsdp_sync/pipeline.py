@@ -23,7 +23,7 @@ from fsdp_sync.compat.names import NameRules
 
 from .config import SyncConfig
 from .delta import DeltaTracker, EngineGroups, Selection, nbytes
-from .distributed import Coordinator, Rounds, rank
+from .distributed import Coordinator, Rounds, own_failure, rank
 from .errors import (
     EngineState,
     agreed_error,
@@ -108,10 +108,6 @@ class WeightSync:
         """The plan once it has passed its check (first sync), else None; reading it runs no collective."""
         return self._plan
 
-    def _agree(self, error: Exception | None, stage: str) -> list[RankFailure]:
-        failure = RankFailure(rank(), stage, f"{type(error).__name__}: {error}") if error is not None else None
-        return self.coordinator.agree(failure)
-
     def _agreed(
         self,
         stage: str,
@@ -130,7 +126,7 @@ class WeightSync:
             result = work()
         except Exception as e:
             error = e
-        failures = self._agree(error, stage)
+        failures = self.coordinator.agree_on(stage, error)
         if failures:
             raise failed(error, failures)
         return result  # type: ignore[return-value]
@@ -211,7 +207,7 @@ class WeightSync:
             structure = hashlib.sha256("\n".join(sorted(trainable)).encode()).hexdigest()
         except Exception as e:
             error = e
-        failure = None if error is None else RankFailure(rank(), "check", f"{type(error).__name__}: {error}")
+        failure = own_failure("check", error)
         state = (structure, primed, changed, failure)
         states = self.coordinator.exchange(state)
         failures = [s[3] for s in states if s[3] is not None]  # type: ignore[index]
@@ -359,7 +355,7 @@ class WeightSync:
             except Exception as e:
                 rounds.fail("push", e)
         try:
-            failures = self._agree(rounds.error, rounds.stage or "push")
+            failures = self.coordinator.agree_on(rounds.stage or "push", rounds.error)
         except SyncTimeoutError as e:
             e.engine = engine
             raise
