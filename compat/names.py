@@ -20,6 +20,7 @@ __all__ = [
     "NameRules",
     "Dropped",
     "canonical_name",
+    "unwrapped_name",
 ]
 
 # Segments that wrappers insert at any depth of the module tree.
@@ -149,6 +150,13 @@ def canonical_name(trainer_name: str, rules: NameRules = NameRules()) -> str | D
     if segments and segments[0] in rules.non_engine_heads:
         return Dropped(trainer_name, f"head `{segments[0]}` has no counterpart in the inference engine")
     return ".".join(segments)
+
+
+def unwrapped_name(trainer_name: str, rules: NameRules = NameRules()) -> str:
+    """The trainer name without the segments wrappers insert (FSDP1, activation checkpointing, compile, DDP); PEFT's
+    own segments are kept. The same parameter has one unwrapped name however the model is wrapped, so a name taken
+    from the user's model matches one taken from the wrapped model the gatherer walks."""
+    return ".".join(_strip_wrappers(trainer_name.split("."), rules))
 
 
 def canonical_names(trainer_names: Iterable[str], rules: NameRules = NameRules()) -> dict[str, str | Dropped]:

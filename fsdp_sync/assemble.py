@@ -41,15 +41,16 @@ def _parts(
     backend = backend or detect_backend(model)
     inner = user_model(model)
     rules = NameRules.for_model(inner)
+    merge = PeftMerge.for_model(inner, rules) if rules.peft else None
     gatherer = make_gatherer(
         model,
         backend,
         config,
         engine_dtype=dtype,
         compute_device=device if device.type != "cpu" else None,
-        merge_scopes=(PeftMerge.tuner_layer_type(),) if rules.peft else (),
+        merge_scopes=(PeftMerge.tuner_layer_type(),) if merge is not None else (),
+        keep_dtype=merge.reads if merge is not None else None,
     )
-    merge = PeftMerge.for_model(inner, rules) if rules.peft else None
     return _Parts(backend, gatherer, rules, layout_for(inner), merge)
 
 

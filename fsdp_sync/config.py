@@ -21,8 +21,8 @@ class SyncConfig:
             one unit. `"root"`: one `summon_full_params(root, recurse=True)`; peak memory the whole model, on every
             rank.
         fsdp2_strategy: `"flat"` (default), as FSDP1's from the units' local shards; `"unit"`: `unshard()` one unit
-            at a time; `"param"`: one `full_tensor()` per parameter.
-            PEFT models use `"unit"` where `"flat"` is configured: the adapter merge needs the modules' full views.
+            at a time; `"param"`: one `full_tensor()` per parameter. Every strategy merges PEFT adapters (the merge
+            reads the adapter weights the gather delivers); the flat ones gather what the merge reads uncast.
         prefetch_bytes: the bucket of the flat strategy: the next unit is gathered during the current push when its
             gathered size is at most this, so peak memory stays within the largest unit plus this (0: no overlap).
         check_manifest: check names, shapes and dtypes against the engine's checkpoint before the first push.

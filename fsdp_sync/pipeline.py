@@ -23,7 +23,7 @@ from fsdp_sync.compat.names import NameRules
 
 from .config import SyncConfig
 from .delta import DeltaTracker, EngineGroups, Selection, nbytes
-from .distributed import Coordinator, Rounds, own_failure, rank
+from .distributed import Coordinator, Rounds, own_failure, rank, world_size
 from .errors import (
     EngineState,
     agreed_error,
@@ -200,6 +200,13 @@ class WeightSync:
                     t.name for t in plan.tensors if any(plan.targets.get(s) in merge_names for s in t.sources)
                 )
                 tracker = self._delta = DeltaTracker(plan.tensors, trainable, merged, self._groups)
+                if self.meter.device.type == "cuda" and world_size() == 1 and tracker.watched:
+                    # NOTE: measured on one H200 (docs/delta.md): with no all-gather to save, the check costs more
+                    # than the copies a delta sync skips. Kept on: the default is the safe one everywhere.
+                    logger.info(
+                        "weight sync: one CUDA rank: a complete sync (SyncConfig(delta=False)) measured faster than a "
+                        "checked delta sync here; delta syncs pay off with several ranks or a server (docs/delta.md)"
+                    )
             primed = tracker.primed
             if primed and self.config.delta_check:
                 changed = tracker.changed(self._shards(tracker.watched))

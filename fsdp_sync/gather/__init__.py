@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -13,8 +13,6 @@ from .base import GatherFailed, Gatherer
 from .fsdp1 import FSDP1FlatGatherer, FSDP1RootSummonGatherer, FSDP1UnitGatherer
 from .fsdp2 import FSDP2FlatGatherer, FSDP2ParamGatherer, FSDP2UnitGatherer
 from .plain import PlainGatherer
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "FSDP1FlatGatherer",
@@ -38,6 +36,7 @@ def make_gatherer(
     engine_dtype: torch.dtype | None = None,
     compute_device: torch.device | None = None,
     merge_scopes: tuple[type, ...] = (),
+    keep_dtype: Callable[[str], bool] | None = None,
 ) -> Gatherer:
     """The gatherer for `backend` and the configured strategy.
 
@@ -46,14 +45,12 @@ def make_gatherer(
         engine_dtype: the engine's dtype (FSDP2 per-unit checks its mixed-precision gather dtype against it).
         compute_device: where CPU-offloaded FSDP2 shards go before an all-gather (None: leave them).
         merge_scopes: module types whose nested units are gathered with their enclosing unit (PEFT tuner layers).
+        keep_dtype: trainer names the flat strategies gather in their own dtype rather than cast to the engine's
+            first: what the PEFT merge computes with (base and adapter weights), so the merged weight is rounded to
+            the engine dtype once, as PEFT's merge then a cast would.
     """
     inner = unwrap_outer(model)
     strategy = config.fsdp1_strategy if backend == Backend.FSDP1 else config.fsdp2_strategy
-    if strategy in ("flat", "param") and merge_scopes:
-        # NOTE: the merge needs each tuner layer's adapters full together with its base weight, and must run no
-        # collective of its own (a rank whose push failed stops merging; the others must not wait on it).
-        logger.info("fsdp-vllm-sync: PEFT model; using the per-unit strategy instead of %r (the merge needs it)", strategy)
-        strategy = "unit"
     match backend, strategy:
         case Backend.FSDP1, "unit":
             return FSDP1UnitGatherer(inner, merge_scopes=merge_scopes)
@@ -63,6 +60,7 @@ def make_gatherer(
             return FSDP1FlatGatherer(
                 inner,
                 engine_dtype=engine_dtype,
+                keep_dtype=keep_dtype,
                 compute_device=compute_device,
                 prefetch_bytes=config.prefetch_bytes,
                 timeout_s=config.sync_timeout_s,
@@ -77,6 +75,7 @@ def make_gatherer(
             return FSDP2FlatGatherer(
                 inner,
                 engine_dtype=engine_dtype,
+                keep_dtype=keep_dtype,
                 compute_device=compute_device,
                 prefetch_bytes=config.prefetch_bytes,
                 timeout_s=config.sync_timeout_s,

@@ -2,8 +2,9 @@
 policy does): the pushed weights equal PEFT's own `merge_and_unload()` of the unsharded model, bit for bit, and the
 trainer's weights are left untouched.
 
-Units nested inside a tuner layer (`lora_A`, `lora_B`) are gathered together with the unit that holds the base
-weight, so PEFT's `get_delta_weight` sees full adapter weights (`group_units`, `merge_scopes`).
+The merge reads the adapter weights the gather delivers (full tensors), so every strategy merges: the per-unit ones
+gather units nested inside a tuner layer (`lora_A`, `lora_B`) with the unit that holds the base weight
+(`group_units`, `merge_scopes`); the flat ones hold a base weight until its adapters' unit arrives.
 """
 
 from __future__ import annotations
@@ -15,14 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_sync.compat.layout import IdentityLayout
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor, TensorSpec
-from fsdp_sync.compat.names import NameRules
-from fsdp_sync.backend import detect_backend, user_model
+from fsdp_sync.assemble import build_sync
+from fsdp_sync.backend import user_model
 from fsdp_sync.config import SyncConfig
-from fsdp_sync.gather import make_gatherer
-from fsdp_sync.peft_merge import PeftMerge
-from fsdp_sync.pipeline import WeightSync
 from fsdp_sync._demo.dist import run_distributed
 
 from .models import device, decoder_layer_cls, tiny_lm, train_step
@@ -34,10 +31,10 @@ class CapturingWriter:
     kind = "capture"
     pushes = True
     retains_tensors = False
-    engine_dtype = torch.float32
 
-    def __init__(self, expected: dict[str, torch.Tensor]) -> None:
+    def __init__(self, expected: dict[str, torch.Tensor], engine_dtype: torch.dtype = torch.float32) -> None:
         self.expected = expected
+        self.engine_dtype = engine_dtype
         self.got: dict[str, torch.Tensor] = {}
 
     def manifest(self) -> EngineManifest:
@@ -99,18 +96,20 @@ def _wrap(model: nn.Module, backend: str, world_size: int) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def lora_scenario(rank: int, world_size: int, backend: str, strategy: str) -> dict[str, object]:
+def lora_scenario(
+    rank: int, world_size: int, backend: str, strategy: str, engine_dtype: torch.dtype = torch.float32
+) -> dict[str, object]:
     model = _lora_model()
-    expected = {k: v.to("cpu", copy=True) for k, v in copy.deepcopy(model).merge_and_unload().state_dict().items()}
+    # PEFT's merge in the trainer's dtype (fp32), then one cast to the engine's.
+    merged = copy.deepcopy(model).merge_and_unload().state_dict().items()
+    expected = {k: v.to("cpu", dtype=engine_dtype, copy=True) for k, v in merged}
     expected.pop("lm_head.weight", None)  # tied: sent once, as the embedding
     wrapped = _wrap(model, backend, world_size)
-    backend_found = detect_backend(wrapped)
-    inner = user_model(wrapped)
-    rules = NameRules.for_model(inner)
-    config = SyncConfig(fsdp1_strategy=strategy) if backend == "fsdp1" else SyncConfig(fsdp2_strategy=strategy)
-    gatherer = make_gatherer(wrapped, backend_found, config, merge_scopes=(PeftMerge.tuner_layer_type(),))
-    writer = CapturingWriter(expected)
-    sync = WeightSync(gatherer, writer, rules=rules, layout=IdentityLayout(), merge=PeftMerge.for_model(inner, rules))
+    # Complete syncs (delta off): every weight, each time; delta syncs with LoRA run end to end in tests/e2e.
+    options = {f"{backend}_strategy": strategy, "delta": False}
+    config = SyncConfig(**options)  # type: ignore[arg-type]
+    writer = CapturingWriter(expected, engine_dtype)
+    sync = build_sync(wrapped, writer, config, device=device())
     units = sum(1 for m in wrapped.modules() if type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP")))
     sync.sync()
     first = writer.got
@@ -119,20 +118,34 @@ def lora_scenario(rank: int, world_size: int, backend: str, strategy: str) -> di
     sync.sync()
     return {
         "units": units,
-        "strategy": gatherer.strategy,
+        "strategy": sync.stream.gatherer.strategy,
         "names": sorted(first) == sorted(expected),
         "equal": {n: torch.equal(first[n], expected[n]) for n in expected if n in first},
         "changed_after_training": any(not torch.equal(writer.got[n], first[n]) for n in first if "q_proj" in n),
     }
 
 
-@pytest.mark.parametrize("backend,strategy", [("fsdp1", "unit"), ("fsdp1", "flat"), ("fsdp2", "unit"), ("fsdp2", "param")])
+@pytest.mark.parametrize(
+    "backend,strategy",
+    [("fsdp1", "unit"), ("fsdp1", "flat"), ("fsdp1", "root"), ("fsdp2", "unit"), ("fsdp2", "flat"), ("fsdp2", "param")],
+)
 def test_lora_merged_push_with_adapter_units(backend: str, strategy: str) -> None:
+    """Every strategy merges (the merge reads the adapter weights the gather delivers, so none falls back to the
+    per-unit one); the adapters are units of their own, gathered a unit after their base weights."""
     for r in run_distributed(lora_scenario, backend, strategy):
         assert r["units"] > 6, "adapters must be FSDP units of their own for this test to mean anything"
         assert r["names"]
         assert all(r["equal"].values()), [n for n, ok in r["equal"].items() if not ok]
         assert r["changed_after_training"]
-        if strategy in ("flat", "param"):
-            # The merge needs each layer's adapters full with its base weight, and no collective of its own.
-            assert r["strategy"].endswith("-unit"), "PEFT models fall back to the per-unit strategy"
+        assert r["strategy"] == f"{backend}-{strategy}"
+
+
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+def test_lora_merge_is_rounded_to_a_bf16_engine_once(backend: str) -> None:
+    """The flat strategies cast shards to the engine dtype before the all-gather; the weights the merge reads must not
+    be (bf16(W) + bf16(B) @ bf16(A) is not bf16(W + B @ A)). With a bf16 engine and an fp32 model, every pushed
+    weight equals PEFT's fp32 merge cast to bf16, bit for bit."""
+    for r in run_distributed(lora_scenario, backend, "flat", torch.bfloat16):
+        assert r["names"]
+        assert all(r["equal"].values()), [n for n, ok in r["equal"].items() if not ok]
+        assert r["strategy"] == f"{backend}-flat"

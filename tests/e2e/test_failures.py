@@ -127,19 +127,18 @@ SERVER = [
 
 @pytest.mark.parametrize("backend, world, extra, points", SERVER)
 def test_every_fault_point_in_server_mode(backend: str, world: int, extra: list[str], points: list[str], checkpoints,
-                                          tmp_path: Path) -> None:  # fmt: skip
-    """The same against a real vLLM server (gloo transfer): the server's weights are read back after every failed
-    sync (old or new, by digest) and every successful one (bit-exact). LoRA (FSDP1, 3 ranks) runs the per-unit
-    strategy and the merge."""
+                                          server: VLLMServerProcess, tmp_path: Path) -> None:  # fmt: skip
+    """The same against a real vLLM server (gloo transfer; the session's shared one): the server's weights are read
+    back after every failed sync (old or new, by digest) and every successful one (bit-exact). LoRA (FSDP1, 3 ranks)
+    runs the merge on the flat strategy, into a bf16 server."""
     model_dir = checkpoints("qwen2")
     faults = _plan(points, world, server=True)
     args = [arg for sync, point, rank, where in faults for arg in ("--inject", f"{point}:{sync}:{rank}:{where}")]
-    with VLLMServerProcess(model_dir, tmp_path / "server.log") as server:
-        result = run_grpo(
-            model_dir, tmp_path / "job", backend, "--steps", str(2 + len(points)), *args, *extra,
-            "--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port()),
-            ranks=world,
-        )  # fmt: skip
+    result = run_grpo(
+        model_dir, tmp_path / "job", backend, "--steps", str(2 + len(points)), *args, *extra,
+        "--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port()),
+        ranks=world,
+    )  # fmt: skip
     timings = _check_faults(result, faults, backend, world)
     _record(f"server-{backend}-{world}", timings)
 

@@ -4,8 +4,8 @@ from this package's plugin), TRL trainers with `vllm_mode="server"` and the mixi
 
 After every sync, every server weight equals the trainer's full weight bit for bit, read back from the server
 process (its own sha256 digests, `/weight_checker`; the test-side plugin keeps vLLM-CPU's linear weights readable
-there), and the server's greedy completions change with training. One server is shared by the module's trainer
-runs; the faults that need a server of their own (no weight-transfer backend, killed mid-sync) start one each.
+there), and the server's greedy completions change with training. One server is shared by the session's trainer
+runs (tests/e2e/conftest.py); the faults that need a server of their own (no weight-transfer backend, killed mid-sync) start one each.
 Every fault must fail on every rank, within a bound, with an error that says what happened.
 """
 
@@ -23,13 +23,6 @@ from fsdp_sync._demo.vllm_server import VLLMServerProcess, server_weight_digests
 from .helpers import assert_synced_every_time, checkpoint_numel, checkpoint_tensor_count, run_grpo
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
-    """One real server (tiny Qwen2, bf16 engine, gloo weight transfer, readable weights) for the module."""
-    with VLLMServerProcess(checkpoints("qwen2"), tmp_path_factory.mktemp("server") / "server.log") as process:
-        yield process
 
 
 def _server_args(url: str, *extra: str) -> list[str]:

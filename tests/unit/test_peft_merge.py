@@ -7,6 +7,7 @@ receive; `PeftMerge.apply` must give the same tensor from the base weight withou
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,16 @@ def _merge(model: nn.Module) -> tuple[PeftMerge, NameRules]:
     return PeftMerge.for_model(model, rules), rules
 
 
+def _adapters(model: nn.Module, merge: PeftMerge, target: str) -> dict[str, torch.Tensor]:
+    """The adapter weights target `target` reads, as a gatherer would deliver them (here: the model's own, full)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        found = merge.adapter_weight(name)
+        if found is not None and target in found[0]:
+            out[found[1]] = param
+    return out
+
+
 # --- equality with PEFT's merge -----------------------------------------------------------------------------------
 
 
@@ -90,9 +101,53 @@ def test_apply_equals_peft_merge_and_unload_bit_for_bit(qwen2_dir: Path) -> None
     reference = _peft_merged(model)
     bases = _base_weights(model, rules)
     for name in sorted(merge.names):
-        merged = merge.apply(name, bases[name])
+        merged = merge.apply(name, bases[name], _adapters(model, merge, name))
         assert not torch.equal(merged, bases[name]), f"{name}: the delta is zero, the test would prove nothing"
         assert torch.equal(merged, reference[name]), name
+
+
+def test_adapter_weights_are_found_by_name_however_the_model_is_wrapped(qwen2_dir: Path) -> None:
+    """The gatherer's names carry wrapper segments (FSDP1 units around a layer and around `lora_A.default`,
+    activation checkpointing, DDP); each adapter weight is still found, with the target it feeds and its name inside
+    the layer. Base weights, other parameters and inactive adapters are not adapter weights."""
+    from peft import LoraConfig
+
+    model = _lora(qwen2_dir)
+    model.add_adapter("b", LoraConfig(r=4, target_modules=["q_proj"]))
+    merge, _ = _merge(model)
+    q0 = "model.layers.0.self_attn.q_proj.weight"
+    wrapped = {
+        "base_model.model.model.layers.0._fsdp_wrapped_module.self_attn.q_proj.lora_A.default.weight":
+            ((q0,), "lora_A.default.weight"),
+        "module.base_model.model.model.layers.0._checkpoint_wrapped_module.self_attn.q_proj.lora_B.default.weight":
+            ((q0,), "lora_B.default.weight"),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default._fsdp_wrapped_module.weight":
+            ((q0,), "lora_A.default.weight"),
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight": None,
+        "base_model.model.model.layers.0.self_attn.k_proj.weight": None,
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.b.weight": None,  # not active
+    }  # fmt: skip
+    for name, expected in wrapped.items():
+        assert merge.adapter_weight(name) == expected, name
+    for target in merge.names:
+        assert set(_adapters(model, merge, target)) == {"lora_A.default.weight", "lora_B.default.weight"}, target
+
+
+def test_apply_reads_the_gathered_adapter_weights_not_the_layers(qwen2_dir: Path) -> None:
+    """Under the flat strategies a tuner layer's registered adapter weights are shards; the delta must come from the
+    full tensors the gather delivered. Here the layer's own adapter weights are zeroed after the gather: the merge
+    still equals PEFT's merge of the gathered values."""
+    model = _lora(qwen2_dir)
+    merge, rules = _merge(model)
+    reference = _peft_merged(model)
+    gathered = {name: {k: v.detach().clone() for k, v in _adapters(model, merge, name).items()} for name in merge.names}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.zero_()
+    bases = _base_weights(model, rules)
+    for name in sorted(merge.names):
+        assert torch.equal(merge.apply(name, bases[name], gathered[name]), reference[name]), name
 
 
 def test_apply_never_modifies_the_base_weight(qwen2_dir: Path) -> None:
@@ -102,7 +157,7 @@ def test_apply_never_modifies_the_base_weight(qwen2_dir: Path) -> None:
     bases = _base_weights(model, rules)
     before = {name: t.detach().clone() for name, t in bases.items()}
     for name in sorted(merge.names):
-        merged = merge.apply(name, bases[name])
+        merged = merge.apply(name, bases[name], _adapters(model, merge, name))
         assert merged.data_ptr() != bases[name].data_ptr()
     for name, tensor in bases.items():
         assert torch.equal(tensor, before[name]), name
@@ -114,8 +169,9 @@ def test_apply_is_repeatable(qwen2_dir: Path) -> None:
     model = _lora(qwen2_dir)
     merge, rules = _merge(model)
     base = _base_weights(model, rules)["model.layers.1.self_attn.v_proj.weight"]
-    first = merge.apply("model.layers.1.self_attn.v_proj.weight", base)
-    second = merge.apply("model.layers.1.self_attn.v_proj.weight", base)
+    name = "model.layers.1.self_attn.v_proj.weight"
+    first = merge.apply(name, base, _adapters(model, merge, name))
+    second = merge.apply(name, base, _adapters(model, merge, name))
     assert torch.equal(first, second)
 
 
@@ -124,7 +180,7 @@ def test_non_target_comes_back_unchanged(qwen2_dir: Path, name: str) -> None:
     """A name that is not a merge target is returned as the very same tensor object."""
     merge, _ = _merge(_lora(qwen2_dir))
     tensor = torch.randn(4)
-    assert merge.apply(name, tensor) is tensor
+    assert merge.apply(name, tensor, {}) is tensor
 
 
 # --- which layers are targets ------------------------------------------------------------------------------------
@@ -167,7 +223,7 @@ def test_layer_already_merged_is_not_a_target(qwen2_dir: Path) -> None:
     name = "model.layers.1.self_attn.v_proj.weight"
     assert merge.names == QV_WEIGHTS - {name}
     merged_base = layer.base_layer.weight
-    assert merge.apply(name, merged_base) is merged_base
+    assert merge.apply(name, merged_base, {}) is merged_base
 
 
 def test_two_active_adapters_both_added_like_peft(qwen2_dir: Path) -> None:
@@ -184,11 +240,11 @@ def test_two_active_adapters_both_added_like_peft(qwen2_dir: Path) -> None:
     bases = _base_weights(model, rules)
     modules = dict(model.named_modules())
     for name in sorted(merge.names):
-        merged = merge.apply(name, bases[name])
+        merged = merge.apply(name, bases[name], _adapters(model, merge, name))
         assert torch.equal(merged, reference[name]), name
     q0 = "model.layers.0.self_attn.q_proj.weight"
     only_default = bases[q0] + modules[QV_PATH.format(i=0, p="q_proj")].get_delta_weight("default")
-    assert not torch.equal(merge.apply(q0, bases[q0]), only_default)  # adapter "b" contributed
+    assert not torch.equal(merge.apply(q0, bases[q0], _adapters(model, merge, q0)), only_default)  # adapter "b" contributed
 
 
 def test_inactive_second_adapter_is_ignored(qwen2_dir: Path) -> None:
@@ -202,7 +258,7 @@ def test_inactive_second_adapter_is_ignored(qwen2_dir: Path) -> None:
     reference = _peft_merged(model)
     bases = _base_weights(model, rules)
     for name in sorted(merge.names):
-        assert torch.equal(merge.apply(name, bases[name]), reference[name]), name
+        assert torch.equal(merge.apply(name, bases[name], _adapters(model, merge, name)), reference[name]), name
 
 
 def test_plain_model_has_no_targets(qwen2_dir: Path) -> None:
@@ -257,7 +313,7 @@ def test_bf16_base_with_fp32_adapter_equals_peft_merge(qwen2_dir: Path) -> None:
     assert any(p.dtype == torch.float32 for n, p in model.named_parameters() if ".lora_B." in n)
     reference = _peft_merged(model)
     for name in sorted(merge.names):
-        assert torch.equal(merge.apply(name, bases[name]), reference[name]), name
+        assert torch.equal(merge.apply(name, bases[name], _adapters(model, merge, name)), reference[name]), name
 
 
 def test_lora_bias_is_merged_or_rejected(qwen2_dir: Path) -> None:
@@ -277,4 +333,44 @@ def test_lora_bias_is_merged_or_rejected(qwen2_dir: Path) -> None:
     }
     assert set(biases) == {n.removesuffix(".weight") + ".bias" for n in QV_WEIGHTS}
     for name, bias in sorted(biases.items()):
-        assert torch.equal(merge.apply(name, bias), reference[name]), name
+        assert torch.equal(merge.apply(name, bias, _adapters(model, merge, name)), reference[name]), name
+
+
+# --- in the stream -------------------------------------------------------------------------------------------------
+
+
+class _OrderWriter:
+    """Records what it receives, in order (a server-mode writer announces this order before the push)."""
+
+    kind = "order"
+    pushes = True
+    retains_tensors = False
+    engine_dtype = torch.float32
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, torch.Tensor]] = []
+
+    def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.got = [(n, t.detach().clone()) for n, t in weights]
+
+
+def test_stream_keeps_the_gather_order_while_a_merge_waits_for_its_adapters(qwen2_dir: Path) -> None:
+    """A layer's base weight is gathered before its adapters (model order), so its merge waits; the tensors after it
+    (the layer's bias, the next layers) must wait too, or the stream's order would differ from the plan's, which
+    server mode announces before sending. Every merged weight equals PEFT's merge."""
+    from fsdp_sync.distributed import Rounds
+    from fsdp_sync.gather import PlainGatherer
+    from fsdp_sync.memory import MemoryMeter
+    from fsdp_sync.stream import WeightStream
+
+    model = _lora(qwen2_dir)
+    merge, rules = _merge(model)
+    stream = WeightStream(PlainGatherer(model), rules=rules, merge=merge, meter=MemoryMeter(torch.device("cpu")))
+    plan = stream.plan()
+    writer = _OrderWriter()
+    writer.write(stream.open(plan, Rounds(None)))
+    assert [n for n, _ in writer.got] == [t.name for t in plan.tensors]
+    reference = _peft_merged(model)
+    got = dict(writer.got)
+    for name in merge.names:
+        assert torch.equal(got[name], reference[name]), name

@@ -311,7 +311,11 @@ class _AddOne:
     def __init__(self) -> None:
         self.outputs: list[torch.Tensor] = []
 
-    def apply(self, name: str, base: torch.Tensor) -> torch.Tensor:
+    def adapter_weight(self, trainer_name: str) -> None:
+        return None  # no adapter weights: the delta is a constant
+
+    def apply(self, name: str, base: torch.Tensor, adapter_weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        assert adapter_weights == {}
         if name not in self.names:
             return base
         out = base + 1
@@ -506,7 +510,7 @@ def test_coordinator_without_process_group() -> None:
 
 
 class _RaisingMerge(_AddOne):
-    def apply(self, name: str, base: torch.Tensor) -> torch.Tensor:
+    def apply(self, name: str, base: torch.Tensor, adapter_weights: dict[str, torch.Tensor]) -> torch.Tensor:
         raise ValueError("adapter shapes disagree")
 
 

@@ -1,0 +1,20 @@
+"""Engines shared by the end-to-end modules."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_sync._demo.vllm_server import VLLMServerProcess
+
+
+@pytest.fixture(scope="session")
+def server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
+    """One real server for the session (tiny Qwen2, bf16 engine, gloo weight transfer, readable weights).
+
+    NOTE: shared by the server-mode and fault modules: starting one takes 25-60 s on the 2-core CI machine. Every
+    job that uses it starts with a complete sync and checks against the server's own digests read before each sync,
+    so no test depends on what an earlier one left there; faults that need a server of their own (no weight-transfer
+    backend, killed mid-sync) and other models start one each.
+    """
+    with VLLMServerProcess(checkpoints("qwen2"), tmp_path_factory.mktemp("server") / "server.log") as process:
+        yield process
