@@ -129,8 +129,7 @@ def build(leg: dict[str, Any]) -> None:
     print(f"[matrix] building {leg['venv']} for leg {leg['name']}: {' '.join(reqs)}", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     _pip(leg, "install", "-q", "--upgrade", "pip")
-    # NOTE: --no-compile, as .ci/setup: these builds run beside the pinned leg's tests on the 2-core CI machine.
-    _pip(leg, "install", "-q", "--no-compile", *reqs)
+    _pip(leg, "install", "-q", *reqs)
     _pip(leg, "uninstall", "-q", "-y", *UNINSTALL)
     _stamp(leg, "packages").touch()
 
@@ -141,7 +140,7 @@ def setup(leg: dict[str, Any]) -> None:
     build(leg)
     if _stamp(leg, "project").exists():
         return
-    _pip(leg, "install", "-q", "--no-compile", "-e", ".[trl,peft]", *requirements(leg))
+    _pip(leg, "install", "-q", "-e", ".[trl,peft]", *requirements(leg))
     _pip(leg, "uninstall", "-q", "-y", *UNINSTALL)
     check_versions(leg)
     _stamp(leg, "project").touch()
