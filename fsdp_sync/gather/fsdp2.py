@@ -64,10 +64,13 @@ def _full_tensor(param: torch.Tensor, compute_device: torch.device | None, meter
     return full
 
 
-def fsdp2_trainable(model: nn.Module, names: Iterable[str]) -> frozenset[str]:
-    """The named parameters with `requires_grad` (a DTensor carries its parameter's flag)."""
-    wanted = set(names)
-    return frozenset(name for name, p in model.named_parameters() if name in wanted and p.requires_grad)
+def fsdp2_trainable(
+    model: nn.Module, names: Iterable[str], params: dict[str, torch.Tensor] | None = None
+) -> frozenset[str]:
+    """The named parameters with `requires_grad` (a DTensor carries its parameter's flag); no module walk where the
+    caller kept `params` by name (as `fsdp2_local_shards`)."""
+    params = params if params is not None else dict(model.named_parameters())
+    return frozenset(name for name in names if params[name].requires_grad)
 
 
 def fsdp2_local_shards(
@@ -389,8 +392,7 @@ class FSDP2FlatGatherer(FlatBase):
         return items
 
     def trainable(self) -> frozenset[str]:
-        params = self._params
-        return frozenset(name for name in self._specs if params[name].requires_grad)
+        return fsdp2_trainable(self.model, self._specs, self._params)
 
     def iter_full(
         self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
