@@ -44,6 +44,7 @@ def test_stock_trl_fsdp2_per_tensor_reload_breaks_fused_layers(checkpoints, tmp_
     result = run_grpo(checkpoints("qwen2"), tmp_path, "fsdp2", "--stock-reload")
     assert result.returncode == 0, result.log[-3000:]
     fused = ("qkv_proj.weight", "gate_up_proj.weight")
+    seen: set[str] = set()
     for r in result.ranks:
         assert r["wrapper"]["is_fsdp2"]
         assert r["global_step"] == 2
@@ -52,4 +53,9 @@ def test_stock_trl_fsdp2_per_tensor_reload_breaks_fused_layers(checkpoints, tmp_
             bad = [p.split(":")[0] for p in c["reference_problems"]]
             assert bad, "expected the per-tensor reload to leave fused layers wrong"
             assert all(name.endswith(fused) for name in bad), bad
-            assert len(bad) == 2 * 2  # qkv_proj and gate_up_proj of both layers
+            seen.update(name.rpartition(".")[0].rpartition(".")[2] for name in bad)
+    # NOTE: each per-tensor call leaves the rest of its fused module as the reload found it: uninitialised memory,
+    # whose content depends on what the allocator hands back. It usually differs from the trainer's weights, but not
+    # always (measured once in CI: layer 1's gate_up_proj came out right on one rank and sync). So every sync must
+    # leave some fused module wrong and nothing else, and both kinds of fused module must be caught.
+    assert seen == {"qkv_proj", "gate_up_proj"}, seen
