@@ -4,6 +4,7 @@
     python -m benchmarks.run server [--reps 5] [--models qwen2-36m,qwen2-150m]   (starts a vLLM CPU server per model)
     python -m benchmarks.run safety [--reps 5] [--models qwen2-36m,qwen2-150m]   (cost of check_finite and verify)
     python -m benchmarks.run delta [--reps 5] [--models ...] [--engine cpu|buffers]   (delta vs complete vs TRL LoRA)
+    python -m benchmarks.run sparse [--reps 6] [--models ...]   (bf16 elements changed per Adam step; sparse vs dense)
     python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU)
     python -m benchmarks.run report [--results benchmarks/results]
 
@@ -109,6 +110,30 @@ def _delta(args: argparse.Namespace) -> None:
     print(text)
 
 
+def _sparse(args: argparse.Namespace) -> None:
+    import os
+
+    import torch
+
+    from fsdp_sync._demo.dist import run_distributed
+
+    from .sparse import LEARNING_RATES, sparse_table, sparse_worker
+
+    rows: list[dict] = []
+    for name in args.models.split(","):
+        for rank_rows in run_distributed(sparse_worker, name, args.reps, world_size=2, backend="gloo"):
+            rows.extend(rank_rows)
+    machine = (
+        f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo ranks, torch {torch.__version__}; Adam (no weight "
+        f"decay), learning rates {', '.join(f'{lr:g}' for lr in LEARNING_RATES)}, {args.reps} steps each"
+    )
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "sparse-cpu.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    text = f"Machine: {machine}\n\n{sparse_table(rows)}\n"
+    (args.results / "sparse-cpu.md").write_text(text)
+    print(text)
+
+
 def _server(args: argparse.Namespace) -> None:
     import os
 
@@ -168,13 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     delta.add_argument("--models", default="qwen2-36m,qwen2-150m")
     delta.add_argument("--engine", choices=["cpu", "buffers"], default="cpu")
     delta.add_argument("--world-size", type=int, default=0)
+    sparse = sub.add_parser("sparse")
+    sparse.add_argument("--models", default="qwen2-36m,qwen2-150m")
     gpu = sub.add_parser("gpu")
     gpu.add_argument("--models", default="qwen2-1.5b,qwen2-7b")
     gpu.add_argument("--world-size", type=int, default=0)
     gpu.add_argument("--check", action="store_true", help="verify the engine buffers bit for bit after each method")
     rep = sub.add_parser("report")
     rep.add_argument("--kind", default="cpu")
-    for p in (cpu, server, safety, delta, gpu, rep):
+    for p in (cpu, server, safety, delta, sparse, gpu, rep):
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -187,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             _safety(args)
         case "delta":
             _delta(args)
+        case "sparse":
+            _sparse(args)
         case "gpu":
             _gpu(args)
         case "report":

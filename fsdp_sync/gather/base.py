@@ -12,6 +12,7 @@ from fsdp_sync.compat.manifest import TensorSpec
 
 from ..distributed import Coordinator, Rounds, world_size
 from ..memory import MemoryMeter
+from ..sparse import Piece
 
 __all__ = [
     "GatherFailed",
@@ -59,6 +60,12 @@ class Gatherer(Protocol):
         """This rank's own part of every parameter (or of those named), by the trainer names of `specs`, without any
         collective (empty where the rank holds none of it); for checks that need no gather (`check_finite`, the
         delta check)."""
+        ...
+
+    def local_pieces(self, names: Iterable[str]) -> Iterator[Piece]:
+        """This rank's own part of each named parameter as a contiguous run of the flattened full tensor, without
+        any collective (sparse delta syncs, `fsdp_sync.sparse`); the ranks' pieces are disjoint (a replica that is
+        not this rank's to report is an empty piece), and their union is the whole tensor."""
         ...
 
 

@@ -18,17 +18,20 @@ import contextlib
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Iterator
 from functools import reduce
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
 
 from fsdp_sync.compat.manifest import TensorSpec
 
-from ..distributed import Rounds
+from ..distributed import Rounds, rank
 from ..faults import fault_point
 from ..memory import MemoryMeter
+from ..sparse import Piece
 from .base import group_units, sync_rounds, until_failed as _until_failed
 from .collectives import FlatBase, InFlight, gather_dtype, launch_or_join, pipelined
 
@@ -129,11 +132,13 @@ class _FSDP1Base:
         names.update(name for name, p in self._ignored if p.requires_grad)
         return frozenset(names)
 
-    def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        # NOTE: each original parameter's slice of the local flat shard is in the flat parameter's
-        # `_shard_param_infos` (aligned with `_fqns`; unchanged since torch 2.0), the metadata FSDP's own sharded
-        # state dict uses.
-        wanted = None if names is None else frozenset(names)
+    def _slices(self, wanted: frozenset[str] | None) -> Iterator[tuple[FSDP, str, torch.Tensor, Any]]:
+        """(unit, trainer name, the unit's local flat shard, the parameter's shard info) of each managed parameter.
+
+        NOTE: each original parameter's slice of the local flat shard is in the flat parameter's `_shard_param_infos`
+        (aligned with `_fqns`; unchanged since torch 2.0), the metadata FSDP's own sharded state dict uses; it also
+        gives where the slice starts in the flattened full parameter (`intra_param_start_idx`).
+        """
         for visit in self._visits:
             for unit, params in visit:
                 flat = unit._flat_param
@@ -141,13 +146,45 @@ class _FSDP1Base:
                     continue
                 local = flat.detach()
                 for (name, _, _), info in zip(params, flat._shard_param_infos, strict=True):
-                    if wanted is not None and name not in wanted:
-                        continue
-                    if info.in_shard:
-                        yield name, local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
-                    else:
-                        yield name, local[:0]
+                    if wanted is None or name in wanted:
+                        yield unit, name, local, info
+
+    def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        wanted = None if names is None else frozenset(names)
+        for _, name, local, info in self._slices(wanted):
+            if info.in_shard:
+                yield name, local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+            else:
+                yield name, local[:0]
         yield from self._iter_ignored(wanted)
+
+    def local_pieces(self, names: Iterable[str]) -> Iterator[Piece]:
+        wanted = frozenset(names)
+        owners: dict[int, bool] = {}
+        for unit, name, local, info in self._slices(wanted):
+            owner = owners.setdefault(id(unit), _owns_replica(unit))
+            if info.in_shard and owner:
+                piece = local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+                yield Piece(name, piece, info.intra_param_start_idx)
+            else:
+                yield Piece(name, local[:0], 0)
+        for name, p in self._ignored:
+            if name in wanted:  # full on every rank: rank 0 reports it
+                flat = p.detach().reshape(-1)
+                yield Piece(name, flat if rank() == 0 else flat[:0], 0)
+
+
+def _owns_replica(unit: FSDP) -> bool:
+    """Whether this rank reports its shard of the unit: always under FULL_SHARD / SHARD_GRAD_OP; under NO_SHARD the
+    flat parameter is whole on every rank (rank 0 of the unit's group reports it); under the hybrid strategies the
+    shard is replicated across nodes (the ranks of the first replica report it)."""
+    handle = unit._handle
+    if handle is None:
+        return False
+    if not handle.uses_sharded_strategy:
+        return dist.get_rank(handle.process_group) == 0 if dist.is_initialized() else True
+    hybrid = unit.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    return not hybrid or dist.get_rank(unit._inter_node_pg) == 0
 
 
 def _visit_bytes(visit: list[tuple[FSDP, list[tuple[str, str, TensorSpec]]]]) -> int:

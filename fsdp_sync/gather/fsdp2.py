@@ -20,9 +20,10 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_sync.compat.manifest import TensorSpec
 from fsdp_sync.compat.torch_api import fsdp2_param_groups
 
-from ..distributed import Rounds
+from ..distributed import Rounds, rank
 from ..faults import fault_point
 from ..memory import MemoryMeter
+from ..sparse import Piece
 from .base import group_units, local_named_parameters, spec_of, sync_rounds
 from .collectives import FlatBase, InFlight, gather_dtype, launch_or_join, pipelined
 
@@ -30,6 +31,7 @@ __all__ = [
     "FSDP2FlatGatherer",
     "FSDP2ParamGatherer",
     "FSDP2UnitGatherer",
+    "fsdp2_local_pieces",
     "fsdp2_local_shards",
     "fsdp2_trainable",
     "fsdp2_units",
@@ -87,6 +89,47 @@ def fsdp2_local_shards(
         yield name, (param.to_local() if isinstance(param, DTensor) else param).detach()
 
 
+def fsdp2_local_pieces(
+    model: nn.Module, names: Iterable[str], params: dict[str, torch.Tensor] | None = None
+) -> Iterator[Piece]:
+    """This rank's piece of each named parameter (see `Gatherer.local_pieces`); no collective.
+
+    NOTE: where a DTensor's local shard lies in the full tensor comes from DTensor's own
+    `compute_local_shape_and_global_offset` (what distributed checkpointing uses; private in torch 2.4-2.13). A
+    shard is a contiguous run of the flattened tensor when it is sharded on dim 0 only (FSDP2's default); a
+    replicated mesh dimension (HSDP) is reported by its first coordinate only.
+
+    Raises:
+        NotImplementedError: a parameter sharded otherwise (`shard_placement_fn` on another dim, tensor parallel),
+            named; a sparse sync of it is not possible, so the caller syncs densely.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    params = params if params is not None else dict(model.named_parameters())
+    for name in names:
+        param = params[name]
+        if not isinstance(param, DTensor):
+            flat = param.detach().reshape(-1)
+            yield Piece(name, flat if rank() == 0 else flat[:0], 0)
+            continue
+        local = param.to_local().detach()
+        shape = tuple(param.shape)
+        mesh, placements = param.device_mesh, param.placements
+        if any(not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)) for p in placements):
+            raise NotImplementedError(f"{name}: placements {placements} are not dim-0 shards; no sparse sync of it")
+        local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+        coordinate = mesh.get_coordinate() or [0] * mesh.ndim
+        owner = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
+        flat = local.reshape(-1)
+        if not owner or not flat.numel():
+            yield Piece(name, flat[:0], 0)
+            continue
+        if tuple(local.shape) != tuple(local_shape):
+            raise NotImplementedError(f"{name}: local shard {tuple(local.shape)} is not the expected {local_shape}")
+        yield Piece(name, flat, offset[0] * math.prod(shape[1:]))
+
+
 class FSDP2ParamGatherer:
     """One `full_tensor()` per sharded parameter (peak: one parameter).
 
@@ -123,6 +166,9 @@ class FSDP2ParamGatherer:
 
     def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return fsdp2_local_shards(self.model, self.specs() if names is None else names)
+
+    def local_pieces(self, names: Iterable[str]) -> Iterator[Piece]:
+        return fsdp2_local_pieces(self.model, names)
 
     def trainable(self) -> frozenset[str]:
         return fsdp2_trainable(self.model, self.specs())
@@ -182,6 +228,9 @@ class FSDP2UnitGatherer:
 
     def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return fsdp2_local_shards(self.model, self._specs if names is None else names)
+
+    def local_pieces(self, names: Iterable[str]) -> Iterator[Piece]:
+        return fsdp2_local_pieces(self.model, names)
 
     def trainable(self) -> frozenset[str]:
         return fsdp2_trainable(self.model, self._specs)
@@ -316,6 +365,9 @@ class FSDP2FlatGatherer(FlatBase):
 
     def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return fsdp2_local_shards(self.model, self._specs if names is None else names, self._params)
+
+    def local_pieces(self, names: Iterable[str]) -> Iterator[Piece]:
+        return fsdp2_local_pieces(self.model, names, self._params)
 
     @torch.no_grad()
     def _cast(self, local: torch.Tensor, slot: _Slot) -> torch.Tensor:

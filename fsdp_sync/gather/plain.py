@@ -11,7 +11,9 @@ from fsdp_sync.compat.manifest import TensorSpec
 
 from ..distributed import Rounds
 from ..faults import fault_point
+from ..distributed import rank
 from ..memory import MemoryMeter
+from ..sparse import Piece
 from .base import spec_of
 
 __all__ = ["PlainGatherer"]
@@ -49,3 +51,10 @@ class PlainGatherer:
 
     def local_shards(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return self.iter_full(MemoryMeter(torch.device("cpu")), None if names is None else frozenset(names))
+
+    def local_pieces(self, names: Iterable[str]) -> Iterator[Piece]:
+        # Every rank holds the whole tensor: rank 0 reports it, the others an empty piece (pieces are disjoint).
+        params = dict(self.model.named_parameters())
+        for name in names:
+            flat = params[name].detach().reshape(-1)
+            yield Piece(name, flat if rank() == 0 else flat[:0], 0)

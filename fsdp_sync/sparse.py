@@ -1,0 +1,267 @@
+"""Sparse delta syncs: find the engine-dtype elements that changed since the last push, on each rank's own shards,
+and gather (index, value) patches instead of full weights.
+
+Why: the engine holds bf16 (or fp16) weights, and at RL learning rates an fp32 optimizer step changes few of their
+bf16 values (PULSE, arXiv 2602.03839: over 99% unchanged per step; measured here in `benchmarks/sparse.py`). A
+complete or tensor-level delta sync still gathers and moves every changed tensor whole.
+
+How: each rank keeps a *snapshot*, its own pieces of the synced weights in the engine dtype as they were last pushed
+(about model size x engine itemsize / world size bytes per rank). A sparse sync casts each piece to the engine dtype
+again, compares the bits with the snapshot (bitwise, so -0.0 vs 0.0 and NaN payloads count as changes), and keeps the
+positions that differ, as flat indices into the *full* tensor: a piece is a contiguous run of the flattened full
+tensor (FSDP1's flat-parameter shards, FSDP2's dim-0 shards), so a local position plus the piece's start is a full
+one. The ranks' pieces are disjoint, so the union of every rank's patches is the full patch of a tensor, and no rank
+ever holds a full weight.
+
+Exactness: the new snapshot is what is sent (`Snapshot.diff` replaces each piece with its new values), so the engine
+equals the snapshot after a successful push; a failed push, a new trainable set or an engine restart must make the
+next sync dense (`Snapshot.forget`), which takes the snapshot again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Joined", "Patch", "Piece", "Snapshot", "gather_patches"]
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """This rank's part of one full tensor: `values` (1-D) is `full.flatten()[start : start + values.numel()]`.
+
+    A rank that holds a replica rather than its own part (DDP, a parameter FSDP ignores, a replicated mesh dimension)
+    gives an empty piece on every rank but one, so that pieces stay disjoint.
+    """
+
+    name: str
+    values: torch.Tensor
+    start: int
+
+
+@dataclass(frozen=True)
+class Patch:
+    """The changed elements of one tensor: flat indices into the full tensor, ascending, and their new values."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.indices.numel()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_BITS[t.element_size()])
+
+
+class Snapshot:
+    """What the engine holds for this rank's pieces, in the engine dtype.
+
+    Args:
+        dtype: the engine dtype floating pieces are cast to (None: keep each piece's own).
+    """
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype
+        self._held: dict[str, tuple[int, torch.Tensor]] = {}
+        self._valid = False
+
+    @property
+    def valid(self) -> bool:
+        """Whether the engine holds the snapshot (a push of it succeeded and nothing since made it doubtful)."""
+        return self._valid
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self._held.values())
+
+    def _cast(self, values: torch.Tensor) -> torch.Tensor:
+        dtype = self.dtype if self.dtype is not None and values.is_floating_point() else values.dtype
+        return values.detach().reshape(-1).to(dtype, copy=True)
+
+    def take(self, pieces: Iterable[Piece]) -> None:
+        """Hold these pieces (as the engine dtype) as what the engine holds: after a dense push of them."""
+        self._held = {p.name: (p.start, self._cast(p.values)) for p in pieces}
+
+    def commit(self) -> None:
+        """The push of the held values succeeded: the next sync may be sparse."""
+        self._valid = True
+
+    def forget(self) -> None:
+        """The engine may hold anything (a failed push, a restart): the next sync is dense and takes it again."""
+        self._held = {}
+        self._valid = False
+
+    def diff(self, pieces: Iterable[Piece]) -> dict[str, Patch]:
+        """The changed elements of each piece since the snapshot, as full-tensor positions; the snapshot then holds
+        the new values (call `commit` once they are pushed, `forget` when the push failed).
+
+        Raises:
+            KeyError: a piece the snapshot does not hold (the sync's structure changed: take it again).
+        """
+        patches: dict[str, Patch] = {}
+        for piece in pieces:
+            start, old = self._held[piece.name]
+            if start != piece.start or old.numel() != piece.values.numel():
+                raise KeyError(f"{piece.name}: the piece moved since the snapshot (start {start} -> {piece.start})")
+            new = self._cast(piece.values)
+            local = torch.nonzero(_bits(new) != _bits(old)).reshape(-1)
+            patches[piece.name] = Patch(local + start, new[local])
+            self._held[piece.name] = (start, new)
+        self._valid = False
+        return patches
+
+
+# Indices travel as their low 16 bits, grouped by block of 2**16 elements, with a count per block: 2 bytes per change
+# plus 4 per block per rank, instead of 4 or 8 per change (measured at learning rate 1e-6: about 2% of bf16 values
+# change per step, so a change costs 4 bytes with its value instead of 6, and a patch is about 23x smaller than the
+# dense tensor instead of 16x; `benchmarks/sparse.py`).
+_BLOCK_BITS = 16
+
+
+def _blocks(numel: int) -> int:
+    return -(-numel // (1 << _BLOCK_BITS))
+
+
+def _encode(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the low 16 bits of each ascending index, as int16; the changes per block, int32)."""
+    low = (indices & 0xFFFF).to(torch.int32)
+    low16 = torch.where(low >= 1 << 15, low - (1 << 16), low).to(torch.int16)
+    per_block = torch.bincount(indices >> _BLOCK_BITS, minlength=_blocks(numel)).to(torch.int32)
+    return low16, per_block
+
+
+def _decode(low16: torch.Tensor, per_block: torch.Tensor) -> torch.Tensor:
+    low = low16.to(torch.int64) & 0xFFFF
+    block = torch.repeat_interleave(torch.arange(per_block.numel(), device=low.device), per_block.to(torch.int64))
+    return (block << _BLOCK_BITS) | low
+
+
+@dataclass(frozen=True)
+class Joined:
+    """Every rank's patches, joined.
+
+    Attributes:
+        totals: the changed elements of each tensor over all ranks (on every rank: the same decisions everywhere).
+        patches: the patch of each changed tensor, on the ranks that receive them (indices ascending within each
+            rank's part, the parts in rank order).
+        wire_bytes: the bytes of the patch collectives' buffers (padding included), as one rank receives them.
+    """
+
+    totals: list[int]
+    patches: dict[str, Patch]
+    wire_bytes: int
+
+
+def gather_patches(
+    names: Sequence[str],
+    local: dict[str, Patch],
+    dtypes: Sequence[torch.dtype],
+    numels: Sequence[int],
+    *,
+    to_all: bool,
+    group: dist.ProcessGroup | None = None,
+) -> Joined:
+    """Every rank's patches of `names`, joined, in four collectives whatever the number of tensors: the counts,
+    the changes per block of 2**16 elements, the indices' low 16 bits, and the values (one per value dtype).
+
+    Args:
+        names: the tensors, in the same order on every rank.
+        local: this rank's patch of each name (a name without one has no change here).
+        dtypes: each name's value dtype (the engine dtype for floating tensors).
+        numels: each name's full element count.
+        to_all: every rank receives every patch (colocate: one engine per rank); else rank 0 only (server mode:
+            it alone talks to the server), and the others receive none.
+    """
+    single = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1
+    world = 1 if single else dist.get_world_size(group)
+    me = 0 if single else dist.get_rank(group)
+    device = next((p.indices.device for p in local.values()), torch.device("cpu"))
+    mine = torch.tensor([local[n].count if n in local else 0 for n in names], dtype=torch.int64, device=device)
+    if single:
+        per_rank = mine.view(1, -1).cpu()
+    else:
+        counts = torch.empty(world * len(names), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(counts, mine, group=group)
+        per_rank = counts.view(world, len(names)).cpu()
+    totals = per_rank.sum(dim=0).tolist()
+    receive = to_all or me == 0
+    order = [i for i, t in enumerate(totals) if t]
+    empty_index = torch.empty(0, dtype=torch.int64, device=device)
+    lows, blocks, values = [], [], {kind: [] for kind in sorted(set(dtypes), key=str)}
+    for i in order:
+        patch = local.get(names[i])
+        indices = patch.indices if patch is not None else empty_index
+        low16, per_block = _encode(indices, numels[i])
+        lows.append(low16)
+        blocks.append(per_block)
+        if patch is not None:
+            values[dtypes[i]].append(patch.values)
+    # NOTE: int16 travels as float16 bits: gloo has no int16 collective, and an all-gather only copies bytes.
+    low_flat = torch.cat(lows) if lows else torch.empty(0, dtype=torch.int16, device=device)
+    lengths = per_rank.sum(dim=1).tolist()
+    joined_low = [t.view(torch.int16) for t in _gather_padded(low_flat.view(torch.float16), lengths, to_all, group)]
+    block_flat = torch.cat(blocks) if blocks else torch.empty(0, dtype=torch.int32, device=device)
+    joined_blocks = _gather_padded(block_flat, [block_flat.numel()] * world, to_all, group)
+    wire = world * (max(lengths) * 2 + block_flat.numel() * 4)
+    joined_values: dict[torch.dtype, list[torch.Tensor]] = {}
+    for kind, parts in values.items():
+        ids = [i for i in order if dtypes[i] == kind]
+        flat = torch.cat(parts) if parts else torch.empty(0, dtype=kind, device=device)
+        kind_lengths = per_rank[:, ids].sum(dim=1).tolist() if ids else [0] * world
+        joined_values[kind] = _gather_padded(flat, kind_lengths, to_all, group)
+        wire += world * max(kind_lengths) * kind.itemsize
+    if not receive:
+        return Joined(totals, {}, wire)
+    patches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {names[i]: [] for i in order}
+    for r in range(world):
+        value_at = dict.fromkeys(joined_values, 0)
+        low_at = block_at = 0
+        for i in order:
+            n, nblocks = int(per_rank[r, i]), _blocks(numels[i])
+            per_block = joined_blocks[r][block_at : block_at + nblocks]
+            block_at += nblocks
+            if not n:
+                continue
+            kind = dtypes[i]
+            indices = _decode(joined_low[r][low_at : low_at + n], per_block)
+            patches[names[i]].append((indices, joined_values[kind][r][value_at[kind] : value_at[kind] + n]))
+            low_at += n
+            value_at[kind] += n
+    joined = {
+        name: Patch(torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
+        for name, parts in patches.items()
+    }
+    return Joined(totals, joined, wire)
+
+
+def _gather_padded(
+    flat: torch.Tensor, lengths: list[int], to_all: bool, group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Each rank's `flat` (lengths known everywhere), padded to the longest for one collective."""
+    if len(lengths) == 1:
+        return [flat]
+    longest = max(lengths)
+    if longest == 0:
+        return [flat.new_empty(0) for _ in lengths]
+    padded = flat.new_zeros(longest)
+    padded[: flat.numel()] = flat
+    world = len(lengths)
+    if to_all:
+        out = flat.new_empty(world * longest)
+        dist.all_gather_into_tensor(out, padded, group=group)
+        return [out[r * longest : r * longest + n] for r, n in enumerate(lengths)]
+    # NOTE: `gather` to rank 0 (server mode): the other ranks need none of it.
+    me = dist.get_rank(group)
+    chunks = [flat.new_empty(longest) for _ in range(world)] if me == 0 else None
+    dist.gather(padded, chunks, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if chunks is None:
+        return [flat.new_empty(0) for _ in lengths]
+    return [c[:n] for c, n in zip(chunks, lengths, strict=True)]
+
