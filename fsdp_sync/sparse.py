@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Joined", "Patch", "Piece", "Snapshot", "gather_patches"]
+__all__ = ["Joined", "Patch", "Piece", "Snapshot", "gather_patches", "replica_piece"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -54,6 +54,12 @@ class Patch:
     @property
     def count(self) -> int:
         return self.indices.numel()
+
+
+def replica_piece(name: str, tensor: torch.Tensor, reporter: bool) -> Piece:
+    """The piece of a tensor every rank holds whole: all of it on the one rank that reports it, empty elsewhere."""
+    flat = tensor.detach().reshape(-1)
+    return Piece(name, flat if reporter else flat[:0], 0)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

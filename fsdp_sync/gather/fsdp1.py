@@ -31,7 +31,7 @@ from fsdp_sync.compat.manifest import TensorSpec
 from ..distributed import Rounds, rank
 from ..faults import fault_point
 from ..memory import MemoryMeter
-from ..sparse import Piece
+from ..sparse import Piece, replica_piece
 from .base import group_units, sync_rounds, until_failed as _until_failed
 from .collectives import FlatBase, InFlight, gather_dtype, launch_or_join, pipelined
 
@@ -170,8 +170,7 @@ class _FSDP1Base:
                 yield Piece(name, local[:0], 0)
         for name, p in self._ignored:
             if name in wanted:  # full on every rank: rank 0 reports it
-                flat = p.detach().reshape(-1)
-                yield Piece(name, flat if rank() == 0 else flat[:0], 0)
+                yield replica_piece(name, p, rank() == 0)
 
 
 def _owns_replica(unit: FSDP) -> bool:

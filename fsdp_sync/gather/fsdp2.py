@@ -23,7 +23,7 @@ from fsdp_sync.compat.torch_api import fsdp2_param_groups
 from ..distributed import Rounds, rank
 from ..faults import fault_point
 from ..memory import MemoryMeter
-from ..sparse import Piece
+from ..sparse import Piece, replica_piece
 from .base import group_units, local_named_parameters, spec_of, sync_rounds
 from .collectives import FlatBase, InFlight, gather_dtype, launch_or_join, pipelined
 
@@ -110,8 +110,7 @@ def fsdp2_local_pieces(
     for name in names:
         param = params[name]
         if not isinstance(param, DTensor):
-            flat = param.detach().reshape(-1)
-            yield Piece(name, flat if rank() == 0 else flat[:0], 0)
+            yield replica_piece(name, param, rank() == 0)
             continue
         local = param.to_local().detach()
         shape = tuple(param.shape)

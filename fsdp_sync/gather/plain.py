@@ -13,7 +13,7 @@ from ..distributed import Rounds
 from ..faults import fault_point
 from ..distributed import rank
 from ..memory import MemoryMeter
-from ..sparse import Piece
+from ..sparse import Piece, replica_piece
 from .base import spec_of
 
 __all__ = ["PlainGatherer"]
@@ -56,5 +56,4 @@ class PlainGatherer:
         # Every rank holds the whole tensor: rank 0 reports it, the others an empty piece (pieces are disjoint).
         params = dict(self.model.named_parameters())
         for name in names:
-            flat = params[name].detach().reshape(-1)
-            yield Piece(name, flat if rank() == 0 else flat[:0], 0)
+            yield replica_piece(name, params[name], rank() == 0)
