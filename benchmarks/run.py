@@ -5,6 +5,7 @@
     python -m benchmarks.run safety [--reps 5] [--models qwen2-36m,qwen2-150m]   (cost of check_finite and verify)
     python -m benchmarks.run delta [--reps 5] [--models ...] [--engine cpu|buffers]   (delta vs complete vs TRL LoRA)
     python -m benchmarks.run sparse [--reps 6] [--models ...]   (bf16 elements changed per Adam step; sparse vs dense)
+    python -m benchmarks.run sparse-sync [--steps 5] [--models ...] [--modes server,colocate]   (whole syncs into vLLM)
     python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU)
     python -m benchmarks.run report [--results benchmarks/results]
 
@@ -134,6 +135,52 @@ def _sparse(args: argparse.Namespace) -> None:
     print(text)
 
 
+def _sparse_sync(args: argparse.Namespace) -> None:
+    import os
+
+    import torch
+
+    from fsdp_sync._demo.dist import free_port, run_distributed
+    from fsdp_sync._demo.models import build_tiny_checkpoint
+    from fsdp_sync._demo.vllm_server import VLLMServerProcess
+    from fsdp_sync.transfer.plugin import SPARSE_ENV
+
+    from .shapes import CPU_SHAPES
+    from .sparse import LEARNING_RATES
+    from .sparse_sync import sparse_sync_table, sparse_sync_worker
+
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            model_dir = build_tiny_checkpoint(Path(tmp) / name, CPU_SHAPES[name])
+            for mode in args.modes.split(","):
+                if mode == "server":
+                    with VLLMServerProcess(
+                        model_dir, Path(tmp) / f"{name}-server.log", readable_weights=False, env={SPARSE_ENV: "1"}
+                    ) as server:
+                        results = run_distributed(
+                            sparse_sync_worker, name, str(model_dir), mode, args.steps, server.base_url, free_port(),
+                            world_size=2, backend="gloo",
+                        )  # fmt: skip
+                else:
+                    results = run_distributed(
+                        sparse_sync_worker, name, str(model_dir), mode, args.steps, None, 0, world_size=2,
+                        backend="gloo",
+                    )  # fmt: skip
+                for rank_rows in results:
+                    rows.extend(rank_rows)
+    machine = (
+        f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo ranks (FSDP2), torch {torch.__version__}; Adam (no "
+        f"weight decay), learning rates {', '.join(f'{lr:g}' for lr in LEARNING_RATES)}, {args.steps} steps each; "
+        "vLLM CPU engine (bf16): one server process (gloo transfer) or one in-process engine per rank"
+    )
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "sparse-sync-cpu.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    text = f"Machine: {machine}\n\n{sparse_sync_table(rows)}\n"
+    (args.results / "sparse-sync-cpu.md").write_text(text)
+    print(text)
+
+
 def _server(args: argparse.Namespace) -> None:
     import os
 
@@ -193,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     delta.add_argument("--models", default="qwen2-36m,qwen2-150m")
     delta.add_argument("--engine", choices=["cpu", "buffers"], default="cpu")
     delta.add_argument("--world-size", type=int, default=0)
+    sparse_sync = sub.add_parser("sparse-sync")
+    sparse_sync.add_argument("--models", default="qwen2-36m,qwen2-150m")
+    sparse_sync.add_argument("--modes", default="server,colocate")
+    sparse_sync.add_argument("--steps", type=int, default=5)
     sparse = sub.add_parser("sparse")
     sparse.add_argument("--models", default="qwen2-36m,qwen2-150m")
     gpu = sub.add_parser("gpu")
@@ -201,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_argument("--check", action="store_true", help="verify the engine buffers bit for bit after each method")
     rep = sub.add_parser("report")
     rep.add_argument("--kind", default="cpu")
+    sparse_sync.add_argument("--results", type=Path, default=RESULTS)
     for p in (cpu, server, safety, delta, sparse, gpu, rep):
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--results", type=Path, default=RESULTS)
@@ -216,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             _delta(args)
         case "sparse":
             _sparse(args)
+        case "sparse-sync":
+            _sparse_sync(args)
         case "gpu":
             _gpu(args)
         case "report":

@@ -12,6 +12,15 @@ opened (`engine_api.engine_handle`, the `gloo` worker) or around a reload, never
 - `refresh_tied_cpu_gemms`: a tied output head keeps computing logits from the old embedding's GEMM pack (CPU
   platform; the tied head is never reloaded itself). Needed by 0.28-0.32 (vLLM-CPU's `cpu_linear`). Can go when the
   same test (and the logprob check of every end-to-end test) passes with it disabled.
+- `keep_cpu_linear_weights`: vLLM-CPU packs each linear layer's weight for its GEMM and drops the plain weight
+  (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`), so nothing can be patched in place. Sparse syncs
+  keep it (`remove_weight=False`, at twice the memory of the linear weights) and repack what they patch
+  (`repack_cpu_gemms`). 0.28-0.32 (every vLLM-CPU with `cpu_linear`); needed as long as that GEMM packs a copy.
+- `unwrap_reload_loaders`: after a layer-wise reload, a layer that received nothing gets its kernel tensors back
+  with the reload's deferring weight loader still on some of them (measured on vLLM 0.32: the fused `qkv_proj.bias`
+  of a layer left out of a delta reload); a later in-place load through it is buffered for a reload that is over,
+  and dropped ("Excessive loading"). Sparse patches unwrap them first. Can go when a patch of a layer left out of
+  the previous reload lands (`tests/e2e/test_engine_patches.py` is the regression).
 - `quiet_partial_reload`: vLLM's per-layer warnings for layers a delta sync leaves out on purpose. 0.28-0.34 (the
   `reload.layerwise` / `reload.inplace` loggers). Can go when vLLM stops warning for layers given nothing; if the
   loggers are renamed it filters nothing (harmless).
@@ -20,13 +29,21 @@ opened (`engine_api.engine_handle`, the `gloo` worker) or around a reload, never
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["keep_moe_experts_processed_on_reload", "quiet_partial_reload", "refresh_tied_cpu_gemms"]
+__all__ = [
+    "keep_cpu_linear_weights",
+    "keep_moe_experts_processed_on_reload",
+    "quiet_partial_reload",
+    "refresh_tied_cpu_gemms",
+    "repack_cpu_gemms",
+    "unwrap_reload_loaders",
+]
 
 
 class _PartialReloadFilter(logging.Filter):
@@ -81,6 +98,69 @@ def refresh_tied_cpu_gemms(model: torch.nn.Module) -> list[str]:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             repacked.append(name)
     return repacked
+
+
+def keep_cpu_linear_weights() -> bool:
+    """Make vLLM-CPU keep every linear layer's plain weight next to its GEMM pack (call before the engine loads its
+    weights; idempotent). Returns whether the patch is (now) installed.
+
+    Why: a sparse sync patches weights in place, and vLLM-CPU drops the plain weight once packed (a size-0
+    parameter). Kept, the weights also stay readable (`verify`, the tests' bit-exact check). Costs a second copy of
+    the linear weights in engine memory, on the CPU platform only (other platforms never call this function).
+    """
+    try:
+        import vllm.model_executor.layers.utils as layer_utils
+    except ImportError:
+        return False
+    original = getattr(layer_utils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None:
+        return False
+    if getattr(original, "_fvs_keeps_weights", False):
+        return True
+
+    @functools.wraps(original)
+    def keep(layer: torch.nn.Module, remove_weight: bool) -> None:
+        original(layer, remove_weight=False)
+
+    keep._fvs_keeps_weights = True  # type: ignore[attr-defined]
+    layer_utils.dispatch_cpu_unquantized_gemm = keep
+    return True
+
+
+def repack_cpu_gemms(model: torch.nn.Module, params: Iterable[torch.Tensor]) -> list[str]:
+    """After weights were written in place (a sparse sync) on vLLM's CPU platform: repack the GEMM of every module
+    whose weight is one of `params` (by identity, so a tied head is repacked with its embedding). Returns the modules
+    repacked; nothing on other platforms (no `cpu_linear`)."""
+    touched = {id(p) for p in params}
+    repacked: list[str] = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and id(weight) in touched:
+            if weight.numel() == 0:
+                raise RuntimeError(
+                    f"{name}: its plain weight was packed away, so the patch could not reach its GEMM; "
+                    "keep_cpu_linear_weights() must run before the engine loads"
+                )
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked.append(name)
+    return repacked
+
+
+def unwrap_reload_loaders(model: torch.nn.Module) -> list[str]:
+    """Give every parameter whose weight loader is still vLLM's layer-wise deferring wrapper (`online_process_loader`)
+    its own loader back (the wrapper keeps the original as `__wrapped__`). Returns the parameters unwrapped."""
+    unwrapped: list[str] = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        loader = getattr(param, "weight_loader", None)
+        if loader is None or getattr(loader, "__name__", "") != "online_process_loader":
+            continue
+        while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
+            loader = loader.__wrapped__
+        param.weight_loader = loader
+        unwrapped.append(name)
+    return unwrapped
 
 
 def keep_moe_experts_processed_on_reload(model: torch.nn.Module) -> list[str]:

@@ -48,7 +48,18 @@ class SyncConfig:
         verify: after each push, compare the engine's own per-parameter sha256 digests with digests of what was
             sent (computed trainer-side in the engine's fused layout); a difference raises `VerifyError` on every
             rank; weights the engine cannot show are reported as unverifiable. Costs a hash of every byte on both
-            sides (docs/failures.md has the figures).
+            sides (docs/failures.md has the figures). With `sparse`, the weights sent as patches are gathered whole
+            for their digests (a proof, not a production setting).
+        sparse: with `delta`, send the engine-dtype elements that changed since the last push instead of whole
+            tensors (docs/sparse.md): each rank keeps its shards as last pushed, in the engine dtype (model size x
+            engine itemsize / world size per rank), diffs them, and the ranks gather (index, value) patches, which the
+            engine applies in place (vLLM >= 0.32's `load_checkpoint_weight_patches`; on a CPU server, started with
+            `FSDP_VLLM_SYNC_SPARSE=1`). Tensors the engine cannot patch in place (converted layouts such as fused
+            experts, quantized layers, PEFT merges) and tensors over `sparse_max_density` go whole, with their engine
+            module. Colocated engines on the CPU keep their linear weights unpacked beside the GEMM pack for it
+            (twice the linear weights' engine memory).
+        sparse_max_density: the changed fraction of a tensor above which it is sent whole (measured,
+            docs/sparse.md).
     """
 
     fsdp1_strategy: str = "flat"
@@ -64,6 +75,8 @@ class SyncConfig:
     verify: bool = False
     delta: bool = True
     delta_check: bool = True
+    sparse: bool = False
+    sparse_max_density: float = 0.1
 
     def __post_init__(self) -> None:
         if self.fsdp1_strategy not in _FSDP1:
@@ -76,5 +89,9 @@ class SyncConfig:
             raise ValueError(f"sync_timeout_s={self.sync_timeout_s}; must be > 0")
         if self.server_buffer_bytes <= 0:
             raise ValueError(f"server_buffer_bytes={self.server_buffer_bytes}; must be > 0")
+        if not 0.0 <= self.sparse_max_density <= 1.0:
+            raise ValueError(f"sparse_max_density={self.sparse_max_density}; must be within [0, 1]")
+        if self.sparse and not self.delta:
+            raise ValueError("sparse=True builds on delta syncs; set delta=True (the default) or sparse=False")
         if self.fsdp2_strategy not in _FSDP2:
             raise ValueError(f"fsdp2_strategy={self.fsdp2_strategy!r}; valid: {list(_FSDP2)}")

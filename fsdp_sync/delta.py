@@ -228,7 +228,7 @@ class DeltaTracker:
             by_group.setdefault(groups.group(t.name), []).append(t)
         self._by_group = by_group
         seeds = {t.name for t in self.tensors if t.name in merge_targets or set(t.sources) & trainable}
-        self.always = self._widen(seeds)
+        self.always = self.widen(seeds)
         sent_sources = {s for t in self.tensors if t.name in self.always for s in t.sources}
         # Skipped and watched: the sources of every tensor not always sent (a source is never both).
         self.watched = tuple(sorted({s for t in self.tensors if t.name not in self.always for s in t.sources}
@@ -236,7 +236,7 @@ class DeltaTracker:
         self._reference: dict[str, torch.Tensor] | None = None
         self._primed = False
 
-    def _widen(self, names: set[str]) -> frozenset[str]:
+    def widen(self, names: set[str]) -> frozenset[str]:
         """`names` widened to whole engine modules and to every output of the trainer tensors they come from,
         until nothing more is added."""
         sources_of = {t.name: set(t.sources) for t in self.tensors}
@@ -289,7 +289,7 @@ class DeltaTracker:
         """The delta selection: the always-sent tensors plus whatever the changed skipped weights widen to."""
         changed = tuple(sorted(changed))
         extra = {t.name for t in self.tensors if set(t.sources) & set(changed)}
-        sent = self.always | self._widen(extra) if extra else self.always
+        sent = self.always | self.widen(extra) if extra else self.always
         tensors = tuple(t for t in self.tensors if t.name in sent)
         skipped = tuple(t for t in self.tensors if t.name not in sent)
         return Selection(False, frozenset(s for t in tensors for s in t.sources), tensors, skipped, changed)

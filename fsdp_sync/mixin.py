@@ -26,6 +26,7 @@ from fsdp_sync.compat.trl_api import (
     server_address,
     server_mode_problem,
 )
+from fsdp_sync.compat.vllm_patches import keep_cpu_linear_weights
 from fsdp_sync.compat.weight_transfer import missing_api
 
 from .backend import Backend, detect_backend
@@ -81,6 +82,10 @@ class FSDPVLLMSyncMixin:
             with defer_trl_weight_communicator():
                 init(*args, **kwargs)
         else:
+            if config.sparse:
+                # NOTE: before the trainer builds its colocated engine: a sparse sync writes linear weights in place,
+                # which vLLM-CPU packs away at load unless told to keep them (no effect on other platforms).
+                keep_cpu_linear_weights()
             init(*args, **kwargs)
         self.sync_config = config
         self.sync_reports: list[SyncReport] = []

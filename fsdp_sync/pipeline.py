@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import torch
 
+from fsdp_sync.compat.engine_api import EngineLayout
 from fsdp_sync.compat.layout import Layout
 from fsdp_sync.compat.manifest import ManifestError as _CheckpointMismatch
 from fsdp_sync.compat.manifest import PlannedTensor, check_plan
@@ -42,6 +43,8 @@ from .gather.base import Gatherer
 from .memory import MemoryMeter
 from .peft_merge import PeftMerge
 from .report import SyncReport
+from .sparse import Patch
+from .sparse_sync import SparseRound, SparseTracker, patchable_tensors
 from .stream import IncompleteSyncError, StreamPass, SyncPlan, WeightStream
 from .verify import EngineDigests, VerifyResult
 from .writers.base import EngineWriter
@@ -97,6 +100,7 @@ class WeightSync:
         self._digests: EngineDigests | None = None
         self._groups: EngineGroups | None = None
         self._delta: DeltaTracker | None = None
+        self._sparse: SparseTracker | None = None
         self._prepared: tuple[PlannedTensor, ...] = ()
 
     @property
@@ -154,8 +158,9 @@ class WeightSync:
             if verifies:
                 self._digests = EngineDigests.of(layout)
             groups = EngineGroups.of(layout) if groups_here else None
+            sparse = self._patchable(plan, layout) if config.sparse and groups_here else None
             writer.prepare(plan.tensors)
-            return plan, groups
+            return plan, (groups, sparse)
 
         def failed(error: Exception | None, failures: list[RankFailure]) -> SyncError:
             text = f"The weight sync failed on {describe_failures(failures)}. Nothing was sent."
@@ -167,22 +172,70 @@ class WeightSync:
                 return failure
             return agreed_error(error, failures, self._unchanged())
 
-        plan, groups = self._agreed("plan", work, failed)
+        plan, found = self._agreed("plan", work, failed)
         if config.delta:
             # NOTE: the selection decides which collectives run, so every rank must make the same one: the engine's
             # grouping is read where the engine is known (rank 0; in server mode only it talks to the server).
-            self._groups = self.coordinator.broadcast(groups)  # type: ignore[assignment]
+            self._groups, sparse = self.coordinator.broadcast(found)  # type: ignore[misc]
+            self._sparse = self._sparse_tracker(plan, sparse) if config.sparse else None
         for d in plan.dropped:
             logger.info("weight sync: not sending %s: %s", d.name, d.reason)
         self._prepared = plan.tensors
         self._plan = plan
         return plan
 
-    def _selection(self, plan: SyncPlan) -> tuple[Selection, float]:
+    def _patchable(self, plan: SyncPlan, layout: EngineLayout) -> tuple[frozenset[str], dict[str, str]]:
+        """Which planned tensors may travel as patches, and why the others cannot (rank 0, at plan time)."""
+        refusal = self.writer.sparse_refusal()
+        if refusal is None and self.merge is not None:
+            refusal = "PEFT adapters are merged into their base weights on the way (delta syncs already skip what cannot change)"
+        if refusal is not None:
+            return frozenset(), {"*": refusal}
+        engine_refusals = self.writer.patch_refusals()
+        refused = {
+            t.name: engine_refusals[param]
+            for t in plan.tensors
+            if (param := layout.naming.parameter(t.name)[0]) in engine_refusals
+        }
+        shapes = {name: tuple(spec.shape) for name, spec in self.gatherer.specs().items()}
+        return patchable_tensors(plan.tensors, plan.targets, shapes, refused)
+
+    def _sparse_tracker(
+        self, plan: SyncPlan, found: tuple[frozenset[str], dict[str, str]] | None
+    ) -> SparseTracker | None:
+        """The sparse tracker of this plan (every rank, from rank 0's findings); None when nothing can be patched."""
+        assert found is not None
+        patchable, why = found
+        if why:
+            reasons: dict[str, list[str]] = {}
+            for name, reason in why.items():
+                reasons.setdefault(reason, []).append(name)
+            for reason, names in reasons.items():
+                logger.warning(
+                    "weight sync: sparse syncs send %s whole: %s",
+                    "every tensor" if names == ["*"] else f"{len(names)} tensor(s) ({', '.join(names[:4])}"
+                    f"{' ...' if len(names) > 4 else ''})",
+                    reason,
+                )
+        if not patchable:
+            return None
+        tracker = SparseTracker(
+            plan.tensors,
+            patchable,
+            self.gatherer,
+            self.writer.engine_dtype,
+            max_density=self.config.sparse_max_density,
+            to_all=self.writer.patches_everywhere,
+        )
+        logger.info("weight sync: sparse syncs for %d of %d tensors", len(patchable), len(plan.tensors))
+        return tracker
+
+    def _selection(self, plan: SyncPlan) -> tuple[Selection, float, bool]:
         """What this sync sends, the same on every rank: everything, or (delta) what can have changed plus whatever
-        skipped weight changed since it was last pushed. Returns it with the seconds the check took."""
+        skipped weight changed since it was last pushed. Returns it with the seconds the check took, and whether
+        every rank's sparse snapshot holds what the engine holds (then the sync may send patches)."""
         if not self.config.delta:
-            return Selection(True, None, plan.tensors), 0.0
+            return Selection(True, None, plan.tensors), 0.0, False
         started = time.perf_counter()
         changed: list[str] = []
         error: Exception | None = None
@@ -215,7 +268,8 @@ class WeightSync:
         except Exception as e:
             error = e
         failure = own_failure("check", error)
-        state = (structure, primed, changed, failure)
+        sparse_ready = self._sparse is not None and self._sparse.ready
+        state = (structure, primed, changed, failure, sparse_ready)
         states = self.coordinator.exchange(state)
         failures = [s[3] for s in states if s[3] is not None]  # type: ignore[index]
         if failures:
@@ -229,7 +283,7 @@ class WeightSync:
         tracker = self._delta
         assert tracker is not None
         if not all(s[1] for s in states):  # type: ignore[index]
-            return tracker.complete(), seconds
+            return tracker.complete(), seconds, False
         union = sorted({name for s in states for name in s[2]})  # type: ignore[index]
         if union:
             logger.warning(
@@ -237,7 +291,7 @@ class WeightSync:
                 len(union),
                 ", ".join(plan.targets.get(n, n) for n in union),
             )
-        return tracker.select(union), seconds
+        return tracker.select(union), seconds, all(s[4] for s in states)  # type: ignore[index]
 
     def _shards(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's shards of the named trainer parameters."""
@@ -296,7 +350,11 @@ class WeightSync:
         self._agreed("check", work, failed)
 
     def _push(
-        self, plan: SyncPlan, digests: EngineDigests | None, selection: Selection
+        self,
+        plan: SyncPlan,
+        digests: EngineDigests | None,
+        selection: Selection,
+        sparse: SparseRound | None = None,
     ) -> tuple[EngineState | None, StreamPass]:
         """Hand the stream to the writer, finish this rank's share of the gathers whatever happened, then agree with
         every rank on the outcome before anyone goes on.
@@ -307,6 +365,9 @@ class WeightSync:
         writer stops consuming and this rank says so at the next round, where every rank stops; units handed on
         before it were gathered whole on every rank. Then all ranks agree on the outcome, on a group of their own and
         within `sync_timeout_s`, so a failure on any rank is raised on every rank and none blocks.
+
+        With `sparse`, `selection` holds the tensors sent whole (its `gather` also the patched ones when `verify`
+        needs their digests: they are gathered, hashed and not sent), and the patches are written after them.
 
         Returns:
             this rank's engine state (None on a rank that does not push), and the pass (its figures).
@@ -322,11 +383,23 @@ class WeightSync:
         run = self.stream.open(plan, rounds, select=selection.gather, copy=copy, digests=digests)
         engine: EngineState | None = None
         leftover = 0
-        stream = iter(run)
+        stream: Iterator[tuple[str, torch.Tensor]] = iter(run)
+        if sparse is not None:
+            stream = _only(stream, frozenset(t.name for t in selection.tensors))
+        # A sparse sync whose every tensor travels as patches writes no stream (an empty reload would still touch
+        # every layer).
+        writes = writer.pushes and (sparse is None or bool(selection.tensors))
         try:
             if writer.pushes:
                 rounds.attempt("push", lambda: fault_point("write"))  # the push starts
-            if writer.pushes and not rounds.failed:
+            if writer.pushes and not writes and not rounds.failed:
+                try:
+                    for _ in stream:
+                        pass
+                    engine = EngineState("current")
+                except StreamInterrupted:
+                    engine = EngineState("unchanged")
+            elif writes and not rounds.failed:
                 try:
                     writer.write(_faulted(stream))
                     engine = EngineState("current")
@@ -355,6 +428,12 @@ class WeightSync:
             raise
         if rounds.error is None and leftover and writer.pushes:
             rounds.fail("push", IncompleteSyncError(f"{writer.kind} stopped {leftover} tensor(s) before the end"))
+        if sparse is not None and sparse.patches and rounds.error is None and not rounds.stopped and writer.pushes:
+            try:
+                writer.write_patches(sparse.patches)
+            except Exception as e:
+                engine = e.engine if isinstance(e, SyncError) and e.engine is not None else EngineState("undefined")
+                rounds.fail("push", e)
         if rounds.error is None and not rounds.stopped and writer.pushes:
             try:
                 fault_point("write.finish")
@@ -393,8 +472,64 @@ class WeightSync:
 
         return self._agreed("verify", work, failed)
 
-    def sync(self) -> SyncReport:
+    def _sparse_round(self, selection: Selection) -> SparseRound:
+        """Diff every rank's pieces against its snapshot (local work, agreed), then count, decide and gather the
+        patches (collectives on every rank)."""
+        tracker, delta = self._sparse, self._delta
+        assert tracker is not None and delta is not None
+
+        def work() -> dict[str, Patch]:
+            fault_point("check")
+            return tracker.diff(selection.tensors)
+
+        local = self._agreed("check", work, lambda error, failures: agreed_error(error, failures, self._unchanged()))
+        return tracker.round(selection.tensors, local, delta)
+
+    def _whole(self, selection: Selection, sparse: SparseRound) -> Selection:
+        """The part of a sparse sync sent whole; with `verify`, the patched tensors are gathered too (their digests)."""
+        tensors = sparse.dense
+        gathered = tensors if not self.config.verify else selection.tensors
+        return Selection(
+            False,
+            frozenset(s for t in gathered for s in t.sources),
+            tensors,
+            selection.skipped,
+            selection.changed,
+        )
+
+    def _keep_snapshot(self, sparse: SparseRound | None, whole: bool) -> float:
+        """After a successful push: the snapshot holds what was pushed (a sparse sync's diff already holds it; a
+        dense sync takes it, unless backing off). Returns the seconds it took. A failure here is local: the next
+        sync's agreement sees this rank not ready, and every rank goes dense."""
+        tracker = self._sparse
+        if tracker is None:
+            return 0.0
+        started = time.perf_counter()
+        if sparse is not None:
+            tracker.settle(sparse)
+        elif (whole and tracker.dense_left == 0) or (not tracker.ready and tracker.after_dense()):
+            try:
+                tracker.take()
+                logger.info("weight sync: sparse snapshot of this rank: %.1f MB", tracker.nbytes / 1e6)
+            except Exception as e:  # noqa: BLE001 - local; see the docstring
+                logger.warning("weight sync: could not take the sparse snapshot (%s); the next sync is dense", e)
+                tracker.forget()
+        return time.perf_counter() - started
+
+    def resync(self) -> None:
+        """Make the next sync complete (and dense): after the engine's weights were replaced outside this sync (a
+        restarted engine, a checkpoint loaded into it), when what it holds can no longer be assumed."""
+        if self._delta is not None:
+            self._delta.forget()
+        if self._sparse is not None:
+            self._sparse.forget()
+
+    def sync(self, *, whole: bool = False) -> SyncReport:
         """Gather, map, cast and push every parameter once; every rank must call it (it runs collectives).
+
+        Args:
+            whole: send no patches this time (`SyncConfig.sparse`), every selected tensor whole; the snapshot is
+                taken again afterwards, so later syncs go on as before (the same on every rank).
 
         Raises:
             SyncError: on every rank when any rank failed (see `_push`); `NonFiniteWeightsError` before anything is
@@ -404,14 +539,21 @@ class WeightSync:
         plan = self.plan()
         if self.config.check_finite:
             self._check_finite(plan)
-        selection, check_seconds = self._selection(plan)
+        selection, check_seconds, sparse_ready = self._selection(plan)
         digests = self._digests
         if digests is not None:
             digests.reset()
         self.meter.start()
         start = time.perf_counter()
+        sparse: SparseRound | None = None
+        sent = selection
+        patch_seconds = 0.0
         try:
-            pushed, run = self._push(plan, digests, selection)
+            if sparse_ready and not selection.complete and not whole:
+                sparse = self._sparse_round(selection)
+                sent = self._whole(selection, sparse)
+                patch_seconds = time.perf_counter() - start
+            pushed, run = self._push(plan, digests, sent, sparse)
             if self.meter.device.type == "cuda":
                 torch.cuda.synchronize(self.meter.device)
             seconds = time.perf_counter() - start
@@ -426,10 +568,13 @@ class WeightSync:
         except SyncError:
             if self._delta is not None:
                 self._delta.forget()  # the engine may hold anything the failure left: the next sync is complete
+            if self._sparse is not None:
+                self._sparse.forget()
             raise
         started = time.perf_counter()
         self._record(selection)
         check_seconds += time.perf_counter() - started
+        snapshot_seconds = self._keep_snapshot(sparse, whole)
         return SyncReport(
             seconds=seconds,
             bytes=run.bytes,
@@ -447,7 +592,23 @@ class WeightSync:
             skipped_bytes=nbytes(selection.skipped, self.writer.engine_dtype),
             changed_skipped=len(selection.changed),
             check_seconds=check_seconds,
+            sparse=sparse is not None,
+            patched_tensors=sparse.patched_tensors if sparse is not None else 0,
+            diffed_elements=sparse.diffed_elements if sparse is not None else 0,
+            changed_elements=sparse.changed_elements if sparse is not None else 0,
+            patched_elements=sparse.patched_elements if sparse is not None else 0,
+            patch_bytes=sparse.wire_bytes if sparse is not None else 0,
+            snapshot_bytes=self._sparse.nbytes if self._sparse is not None else 0,
+            snapshot_seconds=snapshot_seconds,
+            patch_seconds=patch_seconds,
         )
+
+
+def _only(stream: Iterator[tuple[str, torch.Tensor]], names: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `stream` named in `names` (the rest is consumed, for its digests, and not sent)."""
+    for name, tensor in stream:
+        if name in names:
+            yield name, tensor
 
 
 def _faulted(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -26,7 +26,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Joined", "Patch", "Piece", "Snapshot", "gather_patches", "replica_piece"]
+__all__ = [
+    "Counts",
+    "Joined",
+    "Patch",
+    "Piece",
+    "Snapshot",
+    "count_changes",
+    "decode_indices",
+    "encode_indices",
+    "gather_patches",
+    "index_blocks",
+    "replica_piece",
+]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -131,22 +143,69 @@ class Snapshot:
 _BLOCK_BITS = 16
 
 
-def _blocks(numel: int) -> int:
+def index_blocks(numel: int) -> int:
     return -(-numel // (1 << _BLOCK_BITS))
 
 
-def _encode(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_indices(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the low 16 bits of each ascending index, as int16; the changes per block, int32)."""
     low = (indices & 0xFFFF).to(torch.int32)
     low16 = torch.where(low >= 1 << 15, low - (1 << 16), low).to(torch.int16)
-    per_block = torch.bincount(indices >> _BLOCK_BITS, minlength=_blocks(numel)).to(torch.int32)
+    per_block = torch.bincount(indices >> _BLOCK_BITS, minlength=index_blocks(numel)).to(torch.int32)
     return low16, per_block
 
 
-def _decode(low16: torch.Tensor, per_block: torch.Tensor) -> torch.Tensor:
+def decode_indices(low16: torch.Tensor, per_block: torch.Tensor) -> torch.Tensor:
     low = low16.to(torch.int64) & 0xFFFF
     block = torch.repeat_interleave(torch.arange(per_block.numel(), device=low.device), per_block.to(torch.int64))
     return (block << _BLOCK_BITS) | low
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How many elements of each tensor changed, per rank, and whether any new value is NaN; known on every rank, so
+    every rank makes the same decisions from it (which tensors travel as patches, which whole).
+
+    Attributes:
+        names: the tensors, in the same order on every rank.
+        per_rank: changed elements, `[world, len(names)]` (int64, CPU).
+        nan: per tensor, whether some rank's new values hold a NaN (vLLM's patch loader reads NaN as "unchanged").
+    """
+
+    names: tuple[str, ...]
+    per_rank: torch.Tensor
+    nan: tuple[bool, ...]
+
+    @property
+    def totals(self) -> list[int]:
+        return self.per_rank.sum(dim=0).tolist()
+
+    def subset(self, keep: Sequence[str]) -> Counts:
+        """The counts of `keep` (a sub-sequence of `names`), in that order."""
+        index = {n: i for i, n in enumerate(self.names)}
+        ids = [index[n] for n in keep]
+        return Counts(tuple(keep), self.per_rank[:, ids], tuple(self.nan[i] for i in ids))
+
+
+def count_changes(
+    names: Sequence[str], local: dict[str, Patch], *, group: dist.ProcessGroup | None = None
+) -> Counts:
+    """Every rank's number of changes of each tensor and whether any new value is NaN: one all-gather."""
+    device = next((p.indices.device for p in local.values()), torch.device("cpu"))
+    rows = [[local[n].count, int(torch.isnan(local[n].values).any())] if n in local else [0, 0] for n in names]
+    mine = torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 2)
+    if _single(group):
+        both = mine.cpu().unsqueeze(0)
+    else:
+        world = dist.get_world_size(group)
+        out = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(out, mine.reshape(-1), group=group)
+        both = out.view(world, len(names), 2).cpu()
+    return Counts(tuple(names), both[:, :, 0], tuple(bool(x) for x in both[:, :, 1].amax(dim=0).tolist()))
+
+
+def _single(group: dist.ProcessGroup | None) -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1
 
 
 @dataclass(frozen=True)
@@ -173,30 +232,32 @@ def gather_patches(
     *,
     to_all: bool,
     group: dist.ProcessGroup | None = None,
+    counts: Counts | None = None,
 ) -> Joined:
-    """Every rank's patches of `names`, joined, in four collectives whatever the number of tensors: the counts,
-    the changes per block of 2**16 elements, the indices' low 16 bits, and the values (one per value dtype).
+    """Every rank's patches of `names`, joined, in four collectives whatever the number of tensors: the counts
+    (`count_changes`, unless given), the changes per block of 2**16 elements, the indices' low 16 bits, and the
+    values (one per value dtype).
 
     Args:
         names: the tensors, in the same order on every rank.
-        local: this rank's patch of each name (a name without one has no change here).
+        local: this rank's patch of each name (a name without one has no change here; others are ignored).
         dtypes: each name's value dtype (the engine dtype for floating tensors).
         numels: each name's full element count.
         to_all: every rank receives every patch (colocate: one engine per rank); else rank 0 only (server mode:
             it alone talks to the server), and the others receive none.
+        counts: `count_changes` of exactly `names` (`Counts.subset`), when the caller read them first to decide
+            what travels as patches.
     """
-    single = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1
+    single = _single(group)
     world = 1 if single else dist.get_world_size(group)
     me = 0 if single else dist.get_rank(group)
     device = next((p.indices.device for p in local.values()), torch.device("cpu"))
-    mine = torch.tensor([local[n].count if n in local else 0 for n in names], dtype=torch.int64, device=device)
-    if single:
-        per_rank = mine.view(1, -1).cpu()
-    else:
-        counts = torch.empty(world * len(names), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(counts, mine, group=group)
-        per_rank = counts.view(world, len(names)).cpu()
-    totals = per_rank.sum(dim=0).tolist()
+    if counts is None:
+        counts = count_changes(names, local, group=group)
+    if counts.names != tuple(names):
+        raise ValueError("gather_patches: `counts` must be of exactly `names`, in order (Counts.subset)")
+    per_rank = counts.per_rank
+    totals = counts.totals
     receive = to_all or me == 0
     order = [i for i, t in enumerate(totals) if t]
     empty_index = torch.empty(0, dtype=torch.int64, device=device)
@@ -204,14 +265,14 @@ def gather_patches(
     for i in order:
         patch = local.get(names[i])
         indices = patch.indices if patch is not None else empty_index
-        low16, per_block = _encode(indices, numels[i])
+        low16, per_block = encode_indices(indices, numels[i])
         lows.append(low16)
         blocks.append(per_block)
         if patch is not None:
             values[dtypes[i]].append(patch.values)
     # NOTE: int16 travels as float16 bits: gloo has no int16 collective, and an all-gather only copies bytes.
     low_flat = torch.cat(lows) if lows else torch.empty(0, dtype=torch.int16, device=device)
-    lengths = per_rank.sum(dim=1).tolist()
+    lengths = per_rank.sum(dim=1).tolist() if order else [0] * world
     joined_low = [t.view(torch.int16) for t in _gather_padded(low_flat.view(torch.float16), lengths, to_all, group)]
     block_flat = torch.cat(blocks) if blocks else torch.empty(0, dtype=torch.int32, device=device)
     joined_blocks = _gather_padded(block_flat, [block_flat.numel()] * world, to_all, group)
@@ -230,13 +291,13 @@ def gather_patches(
         value_at = dict.fromkeys(joined_values, 0)
         low_at = block_at = 0
         for i in order:
-            n, nblocks = int(per_rank[r, i]), _blocks(numels[i])
+            n, nblocks = int(per_rank[r, i]), index_blocks(numels[i])
             per_block = joined_blocks[r][block_at : block_at + nblocks]
             block_at += nblocks
             if not n:
                 continue
             kind = dtypes[i]
-            indices = _decode(joined_low[r][low_at : low_at + n], per_block)
+            indices = decode_indices(joined_low[r][low_at : low_at + n], per_block)
             patches[names[i]].append((indices, joined_values[kind][r][value_at[kind] : value_at[kind] + n]))
             low_at += n
             value_at[kind] += n

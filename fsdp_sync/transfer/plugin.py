@@ -13,8 +13,9 @@ skipped and why.
 from __future__ import annotations
 
 import logging
+import os
 
-__all__ = ["BACKENDS", "register"]
+__all__ = ["BACKENDS", "SPARSE_ENV", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +25,21 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# Set on a vLLM server (any value but "0" or empty) to accept sparse syncs on the CPU platform: linear weights are then
+# kept unpacked beside their GEMM pack (`compat.vllm_patches.keep_cpu_linear_weights`), at twice their memory.
+SPARSE_ENV = "FSDP_VLLM_SYNC_SPARSE"
+
+
 def register() -> None:
-    """Register every backend of `BACKENDS` in every registry vLLM has; idempotent (vLLM may call plugins twice)."""
+    """Register every backend of `BACKENDS` in every registry vLLM has; idempotent (vLLM may call plugins twice).
+    With `FSDP_VLLM_SYNC_SPARSE` set, also keep vLLM-CPU's linear weights patchable."""
+    if os.environ.get(SPARSE_ENV, "") not in ("", "0"):
+        try:
+            from fsdp_sync.compat.vllm_patches import keep_cpu_linear_weights
+
+            keep_cpu_linear_weights()
+        except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
+            logger.warning("fsdp-vllm-sync: %s is set but linear weights are not kept (%s: %s)", SPARSE_ENV, type(e).__name__, e)
     try:
         from fsdp_sync.compat.weight_transfer import register_backends
 

@@ -12,6 +12,7 @@ import torch
 
 from fsdp_sync.compat.engine_api import EngineLayout
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
+from fsdp_sync.compat.patch_api import EnginePatch
 
 __all__ = ["EngineWriter"]
 
@@ -26,12 +27,15 @@ class EngineWriter(Protocol):
         retains_tensors: whether the transport keeps references to tensors after taking the next one (vLLM's
             layer-wise reload buffers a layer's parts; the packed broadcast buffers a chunk). Then tensors whose
             storage the gatherer frees at the next unit are copied first; otherwise they are passed as they are.
+        patches_everywhere: every rank pushes patches into its own engine (colocate), so every rank receives them;
+            else only the pushing rank does (server mode).
     """
 
     kind: str
     pushes: bool
     engine_dtype: torch.dtype | None
     retains_tensors: bool
+    patches_everywhere: bool
 
     def manifest(self) -> EngineManifest:
         """What the engine accepts, by checkpoint name; read once, without touching engine weights."""
@@ -48,6 +52,22 @@ class EngineWriter(Protocol):
             SyncError: (a subclass) when the push stops part-way, for any reason (including a `StreamInterrupted`
                 raised by the stream itself), with `engine` set to what the engine holds afterwards; the engine is
                 left usable.
+        """
+        ...
+
+    def sparse_refusal(self) -> str | None:
+        """Why this engine cannot take sparse patches at all (None: it can), on the pushing rank."""
+        ...
+
+    def patch_refusals(self) -> dict[str, str]:
+        """Engine parameter name -> why a patch cannot be written into it in place (read once per plan)."""
+        ...
+
+    def write_patches(self, patches: Sequence[EnginePatch]) -> None:
+        """Write sparse patches into the engine in place (after `write` of the same sync, if any).
+
+        Raises:
+            SyncError: (a subclass) with `engine` set to what the engine holds afterwards.
         """
         ...
 

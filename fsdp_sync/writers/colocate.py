@@ -27,6 +27,7 @@ from fsdp_sync.compat.engine_api import (
     wake_up_weights,
 )
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
+from fsdp_sync.compat.patch_api import EnginePatch, EnginePatcher, patch_loader, patch_refusals
 from fsdp_sync.compat.reload_api import eager_reload_tensors, finalize_failed_reload
 from fsdp_sync.compat.vllm_patches import quiet_partial_reload, refresh_tied_cpu_gemms
 
@@ -52,6 +53,7 @@ class ColocateWriter:
     """
 
     pushes = True
+    patches_everywhere = True
 
     def __init__(self, llm: Any, *, checkpoint_dir: str | None = None, wake_up_first: bool = False) -> None:
         self.handle: EngineHandle = engine_handle(llm)
@@ -61,6 +63,7 @@ class ColocateWriter:
         self.engine_dtype: torch.dtype | None = self.handle.dtype
         self.checkpoint_dir = checkpoint_dir or self.handle.model_path
         self.wake_up_first = wake_up_first
+        self._patcher = EnginePatcher(self.handle.model)
 
     def manifest(self) -> EngineManifest:
         return read_checkpoint_manifest(self.checkpoint_dir, engine_dtype=self.engine_dtype)
@@ -116,6 +119,30 @@ class ColocateWriter:
         return EngineState(
             "mixed", previous, note="layers that had received part of their weights were given their previous ones back"
         )
+
+    def sparse_refusal(self) -> str | None:
+        if patch_loader() is None:
+            return "this vLLM has no load_checkpoint_weight_patches (vLLM >= 0.32)"
+        if self.wake_up_first:
+            return "the engine sleeps between syncs (TRL's sleep mode, level 2), which discards its weights"
+        return None
+
+    def patch_refusals(self) -> dict[str, str]:
+        return patch_refusals(self.handle.model)
+
+    def write_patches(self, patches: Sequence[EnginePatch]) -> None:
+        if self.wake_up_first:
+            wake_up_weights(self.handle.llm)
+        try:
+            self._patcher.apply(patches)
+        except Exception as e:
+            reset_prefix_cache(self.handle.llm)
+            raise EnginePushError(
+                f"Writing the sparse patches into the vLLM engine failed ({type(e).__name__}: {e}). vLLM's patch "
+                "loader does not roll back: each element patched holds its new value, the others their previous "
+                "one; the next sync sends every weight.",
+                engine=EngineState("mixed", note="vLLM's patch loader writes element by element and does not roll back"),
+            ) from e
 
     def finish(self) -> None:
         reset_prefix_cache(self.handle.llm)

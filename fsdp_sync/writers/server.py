@@ -32,6 +32,7 @@ import torch
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
 from fsdp_sync.compat.engine_api import EngineLayout, engine_naming_for_architectures, split_worker_digests
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
+from fsdp_sync.compat.patch_api import EnginePatch
 from fsdp_sync.compat.server_api import ServerInfo
 from fsdp_sync.compat.trl_api import ServerAddress
 from fsdp_sync.compat.weight_transfer import PlanSource, plan_source, source_metadata, trainer_transfer_engine
@@ -253,6 +254,7 @@ class ServerWriter:
         self._source: PlanSource | None = None
         self._engine: Any = None
         self._round_open = False
+        self.patches_everywhere = False
 
     def manifest(self) -> EngineManifest:
         try:
@@ -302,12 +304,9 @@ class ServerWriter:
         )
         return engine
 
-    def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Send one sync's stream. A failure of the stream itself (the gather, the name mapping, ...) ends the round
-        on the server at once (the gloo backend's abort marker); a failure of the server or of the transfer is raised
-        as `ServerPushError` / `ServerTransportError`. Either way the transfer is set up again at the next sync, and
-        the error says what the server holds."""
-        assert self._source is not None, "prepare() must be called first"
+    def _begin_round(self) -> Any:
+        """Close a round a failure left open on the server, and set the transfer up if it is not (first sync, or
+        after a failed one); returns the trainer's transfer engine."""
         assert self.client is not None
         if self._round_open:
             # A failed round may have left the server's update session open; close it (an error if it is not).
@@ -316,13 +315,21 @@ class ServerWriter:
             except ServerRequestError:
                 pass
             self._round_open = False
+        if self._engine is None:
+            self._engine = self._connect()
+        return self._engine
+
+    def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Send one sync's stream. A failure of the stream itself (the gather, the name mapping, ...) ends the round
+        on the server at once (the gloo backend's abort marker); a failure of the server or of the transfer is raised
+        as `ServerPushError` / `ServerTransportError`. Either way the transfer is set up again at the next sync, and
+        the error says what the server holds."""
+        assert self._source is not None, "prepare() must be called first"
         stage = "connect"
         cut = _Cut()
         engine: Any = None
         try:
-            if self._engine is None:
-                self._engine = self._connect()
-            engine = self._engine
+            engine = self._begin_round()
             stage = "send"
             stream = _upstream_marked(weights)
             if not self.transport.aborts_round:
@@ -398,6 +405,55 @@ class ServerWriter:
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         assert self.client is not None
         return split_worker_digests(self.client.weight_checksums())
+
+    def sparse_refusal(self) -> str | None:
+        if self.backend != "gloo":
+            return (
+                f"the server's {self.backend!r} weight-transfer backend takes whole tensors; sparse syncs to a server "
+                "use this package's 'gloo' backend (vLLM's sparse_nccl backend is not driven yet)"
+            )
+        assert self.client is not None
+        try:
+            self.client.weight_checksums()
+        except ServerRouteMissing as e:
+            return f"{e}, so it cannot say which of its weights can be patched in place (vLLM >= 0.32)"
+        return None
+
+    def patch_refusals(self) -> dict[str, str]:
+        from fsdp_sync.transfer.plugin import SPARSE_ENV
+
+        from ..verify import EMPTY_DIGEST
+
+        assert self.client is not None
+        refused: dict[str, str] = {}
+        for key, digest in self.client.weight_checksums().items():
+            if digest == EMPTY_DIGEST:
+                refused[key.rsplit(":", 1)[-1]] = (
+                    f"the server packed it away (vLLM-CPU); start the server with {SPARSE_ENV}=1 to keep it"
+                )
+        return refused
+
+    def write_patches(self, patches: Sequence[EnginePatch]) -> None:
+        """Send one sparse update (gloo); errors as `write`'s."""
+        assert self._source is not None, "prepare() must be called first"
+        stage = "connect"
+        engine: Any = None
+        try:
+            engine = self._begin_round()
+            stage = "send"
+            self._round_open = True
+            self._engine.send_patches(patches)
+            self._round_open = False
+        except Exception as e:
+            self._engine = None
+            state = self._state(stage, engine)
+            if state.status != "unchanged":
+                state = EngineState("mixed", note="patches are written element by element and not rolled back")
+            # The server answered with an error: its failure; anything else (no answer, the group): the transport's.
+            server_said = isinstance(e, (ServerRequestError, ServerConfigError))
+            raise (ServerPushError if server_said else ServerTransportError)(
+                f"The sparse weight update to the vLLM server failed ({stage}; {type(e).__name__}: {e}).", engine=state
+            ) from e
 
     def finish(self) -> None:
         assert self.client is not None

@@ -63,9 +63,11 @@ def assert_synced_every_time(
     steps: int = 2,
     tensors: int | None = None,
     dense: bool = True,
+    generations_change: bool = True,
 ) -> list[dict[str, Any]]:
     """Every rank ran `steps` steps, the wrapper was the real one, and after every sync every engine weight equalled
-    the trainer's full weight bit for bit; greedy generations changed with training."""
+    the trainer's full weight bit for bit; greedy generations changed with training (unless `generations_change` is
+    False: a learning rate too small to flip the tiny model's greedy tokens; the logits are checked either way)."""
     assert result.returncode == 0, result.log[-6000:]
     assert len(result.ranks) == ranks, result.log[-3000:]
     for r in result.ranks:
@@ -86,10 +88,11 @@ def assert_synced_every_time(
             assert c["direct_checked"] > 0
             if dense:
                 assert c["direct_checked"] == c["engine_weights"], "every engine weight checked directly"
-        assert checks[0]["greedy"] != checks[-1]["greedy"], "generations did not change after training"
+        if generations_change:
+            assert checks[0]["greedy"] != checks[-1]["greedy"], "generations did not change after training"
         assert len(r["reports"]) == len(checks)
         for report in r["reports"]:
-            assert report["bytes"] > 0
+            assert report["bytes"] + report.get("patch_bytes", 0) > 0
             if tensors is not None:
                 assert report["tensors"] == tensors
         assert any("weight_sync/seconds" in h for h in r["logged"]), "sync figures missing from the trainer logs"

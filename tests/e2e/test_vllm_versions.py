@@ -94,3 +94,23 @@ def test_server_mode_with_a_trl_that_speaks_trl_vllm_serve_is_refused_on_every_r
         assert e["type"] == "UnsupportedSetupError" and e["stage"] == "construct", e
         assert "trl vllm-serve" in e["message"] and "TRL 1.11" in e["message"], e["message"]
         assert e["seconds"] < 5, "refused before waiting for the server"
+
+
+def test_sparse_syncs_on_this_vllm_patch_where_it_can_and_say_why_not_where_it_cannot(
+    checkpoints, tmp_path: Path
+) -> None:
+    """`SyncConfig(sparse=True)` on every vLLM of the matrix: where vLLM has `load_checkpoint_weight_patches` (0.32)
+    the syncs after the first send patches; where it has none (0.28-0.31) the log says so once and every sync sends
+    whole tensors. Bit-exact after every sync either way (FSDP2, 2 gloo ranks, the colocated CPU engine)."""
+    from fsdp_sync.compat.patch_api import patch_loader
+
+    from .helpers import assert_synced_every_time, run_grpo
+
+    result = run_grpo(checkpoints("qwen2"), tmp_path, "fsdp2", "--sparse", "--lr", "3e-6", "--steps", "3")
+    ranks = assert_synced_every_time(result, "fsdp2", steps=3, generations_change=False)
+    sparse = [[rep["sparse"] for rep in r["reports"]] for r in ranks]
+    if patch_loader() is not None:
+        assert all(kinds == [False, True, True] for kinds in sparse), sparse
+    else:
+        assert all(not any(kinds) for kinds in sparse), sparse
+        assert "this vLLM has no load_checkpoint_weight_patches" in result.log
