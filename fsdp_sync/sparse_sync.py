@@ -108,7 +108,7 @@ class SparseTracker:
         patchable: checkpoint names of the tensors that may travel as patches.
         gatherer: gives this rank's pieces.
         dtype: the engine dtype (floating tensors are compared in it).
-        max_density: above this changed fraction a tensor goes whole.
+        max_density: above this changed fraction an engine module goes whole.
         to_all: every rank receives the patches (colocate), else rank 0 only (server mode).
         group: the trainer's process group.
     """
