@@ -17,6 +17,7 @@ found by running the model's own loader dry (`find_patch_targets`), so that its 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -195,11 +196,15 @@ class EnginePatcher:
         self.targets: dict[str, PatchTarget] = {}
         self._probed: set[str] = set()
 
-    def apply(self, patches: Sequence[EnginePatch]) -> list[str]:
+    @functools.cached_property
+    def naming(self) -> EngineNaming:
         from .engine_api import engine_naming
 
+        return engine_naming(self.model)
+
+    def apply(self, patches: Sequence[EnginePatch]) -> list[str]:
         new = {p.name: (tuple(p.shape), p.dtype) for p in patches if p.name not in self._probed}
         if new:
             self.targets.update(find_patch_targets(self.model, new))
             self._probed.update(new)
-        return apply_patches(self.model, patches, engine_naming(self.model), self.targets)
+        return apply_patches(self.model, patches, self.naming, self.targets)

@@ -566,10 +566,7 @@ class WeightSync:
                 if verified.unverifiable:
                     logger.warning("weight sync: %s", verified.describe_unverifiable())
         except SyncError:
-            if self._delta is not None:
-                self._delta.forget()  # the engine may hold anything the failure left: the next sync is complete
-            if self._sparse is not None:
-                self._sparse.forget()
+            self.resync()  # the engine may hold anything the failure left: the next sync is complete
             raise
         started = time.perf_counter()
         self._record(selection)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +100,17 @@ def assert_synced_every_time(
                 assert report["tensors"] == tensors
         assert any("weight_sync/seconds" in h for h in r["logged"]), "sync figures missing from the trainer logs"
     return result.ranks
+
+
+def run_engine_script(script: Path, *args: str) -> dict[str, Any]:
+    """Run an engine script in a process of its own (one in-process vLLM engine per process); its last stdout line,
+    parsed as JSON. Fails the test with the script's stderr when it exits non-zero."""
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

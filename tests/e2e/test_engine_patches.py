@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from .helpers import run_engine_script
 
 pytestmark = pytest.mark.e2e
 
@@ -17,15 +16,7 @@ SCRIPT = Path(__file__).with_name("patch_identity.py")
 def test_patches_after_a_partial_reload_land_and_the_engine_computes_as_with_whole_weights(tmp_path: Path) -> None:
     """Regression: a layer left out of a partial (delta) reload kept vLLM's deferring weight loader on its fused
     `qkv_proj.bias`, and the next sparse patch of it was dropped without a word."""
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parents[2],
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_engine_script(SCRIPT, str(tmp_path))
     assert len(result["whole"]) == 6 and result["patched"] > 0
     assert "model.layers.0.self_attn.qkv_proj.bias" in result["compared"]
     assert result["direct"] == result["patched"], "every tensor of this model lands in one contiguous run"

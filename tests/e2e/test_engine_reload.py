@@ -7,12 +7,11 @@ tied-head GEMM pack (vLLM-CPU) is the same kind of failure for dense models.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from .helpers import run_engine_script
 
 pytestmark = pytest.mark.e2e
 
@@ -24,15 +23,7 @@ SCRIPT = Path(__file__).with_name("reload_identity.py")
     [("qwen3_moe", "mlp.experts.routed_experts.w13_weight"), ("qwen2", "self_attn.qkv_proj.bias")],
 )
 def test_reload_of_the_same_weights_is_the_identity(family: str, fused: str, tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), family, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parents[2],
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_engine_script(SCRIPT, family, str(tmp_path))
     assert any(n.endswith(fused) for n in result["compared"]), "the fused engine parameters must be compared"
     assert result["unchanged_differs"] == [], "reloading the loaded weights changed engine tensors"
     assert result["unchanged_logprobs_equal"]
