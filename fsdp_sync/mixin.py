@@ -26,7 +26,8 @@ from fsdp_sync.compat.trl_api import (
     server_address,
     server_mode_problem,
 )
-from fsdp_sync.compat.vllm_patches import keep_cpu_linear_weights
+from fsdp_sync.compat.engine_api import engine_handle, transformers_backend
+from fsdp_sync.compat.vllm_patches import keep_cpu_linear_weights, keep_mla_kv_b_proj_weights
 from fsdp_sync.compat.weight_transfer import missing_api
 
 from .backend import Backend, detect_backend
@@ -86,6 +87,9 @@ class FSDPVLLMSyncMixin:
                 # NOTE: before the trainer builds its colocated engine: a sparse sync writes linear weights in place,
                 # which vLLM-CPU packs away at load unless told to keep them (no effect on other platforms).
                 keep_cpu_linear_weights()
+            # NOTE: also before the engine is built: vLLM-CPU's latent attention (DeepSeek) frees a weight every
+            # reload needs right after the first load (no effect elsewhere; see compat.vllm_patches).
+            keep_mla_kv_b_proj_weights()
             init(*args, **kwargs)
         self.sync_config = config
         self.sync_reports: list[SyncReport] = []
@@ -94,6 +98,7 @@ class FSDPVLLMSyncMixin:
         self._fvs_backend: Backend | None = None
         self._fvs_stale = False
         self._fvs_target: TRLSyncTarget | None = find_sync_target(self)
+        self._fvs_refuse_generic_backend()
         # The trainer's own sync, kept for DeepSpeed runs (left to it).
         self._fvs_builtin_sync = None
         if self._fvs_target is not None:
@@ -105,6 +110,21 @@ class FSDPVLLMSyncMixin:
                 owner.sync_weights = self.sync_weights_to_vllm
                 if callable(getattr(owner, "generate", None)):
                     self._fvs_guard_generation(owner)
+
+    def _fvs_refuse_generic_backend(self) -> None:
+        """Before training starts: refuse a colocated engine that serves the model through vLLM's generic
+        Transformers backend (it changes transformers' classes in this process, and the trainer's first forward
+        would die in them); the error points to server mode."""
+        target = self._fvs_target
+        if target is None or target.mode != "colocate" or target.llm is None:
+            return
+        try:
+            model = engine_handle(target.llm).model
+        except RuntimeError:  # an engine out of process: the writer says so at the first sync
+            return
+        problem = transformers_backend(model)
+        if problem is not None:
+            raise UnsupportedSetupError(f"Colocated training with fsdp-vllm-sync: {problem}.")
 
     # Older TRL and the experimental OnlineDPOTrainer call this method; the mixin comes first in the MRO.
     def _move_model_to_vllm(self, *args: Any, **kwargs: Any) -> None:

@@ -73,6 +73,8 @@ class WeightSync:
         merge: adds PEFT adapter deltas to their base weights (PEFT models only).
         backend: name of the detected backend, for reports.
         device: device of the full tensors, for memory measurement.
+        uncast: checkpoint names sent in the trainer's dtype (the engine keeps them wider than its own dtype:
+            `EngineManifest.wider`); never patched (a patch carries engine-dtype values).
     """
 
     def __init__(
@@ -86,14 +88,16 @@ class WeightSync:
         merge: PeftMerge | None = None,
         backend: str = "",
         device: torch.device | str = "cpu",
+        uncast: frozenset[str] = frozenset(),
     ) -> None:
         self.config = config or _COMPLETE
         self.gatherer = gatherer
         self.writer = writer
         self.backend = backend
         self.meter = MemoryMeter(torch.device(device))
+        self.uncast = uncast
         self.stream = WeightStream(
-            gatherer, rules=rules, layout=layout, merge=merge, dtype=writer.engine_dtype, meter=self.meter
+            gatherer, rules=rules, layout=layout, merge=merge, dtype=writer.engine_dtype, meter=self.meter, uncast=uncast
         )
         self.coordinator = Coordinator(self.config.sync_timeout_s)
         self._plan: SyncPlan | None = None
@@ -192,11 +196,25 @@ class WeightSync:
         if refusal is not None:
             return frozenset(), {"*": refusal}
         engine_refusals = self.writer.patch_refusals()
-        refused = {
-            t.name: engine_refusals[param]
-            for t in plan.tensors
-            if (param := layout.naming.parameter(t.name)[0]) in engine_refusals
-        }
+        wider = "the engine keeps it wider than its dtype (patches carry engine-dtype values)"
+        elsewhere = (
+            "the engine has no parameter where its name says (its loader renames or restacks it, as gpt-oss's expert "
+            "stacks), so where a patch lands is not known"
+        )
+        lands_in = layout.lands_in or {}
+        refused: dict[str, str] = {}
+        for t in plan.tensors:
+            # NOTE: where the engine's loader was run dry, the parameters it writes; else the name's own parameter
+            # (renamed and fused as vLLM does), which misses loaders that write elsewhere (gpt-oss's expert stacks).
+            landed = lands_in.get(t.name)
+            params = landed or (layout.naming.parameter(t.name)[0],)
+            reasons = [engine_refusals[p] for p in params if p in engine_refusals]
+            if reasons:
+                refused[t.name] = reasons[0]
+            elif t.name in self.uncast:
+                refused[t.name] = wider
+            elif not landed and layout.modules is not None and params[0].rpartition(".")[0] not in layout.modules:
+                refused[t.name] = elsewhere
         shapes = {name: tuple(spec.shape) for name, spec in self.gatherer.specs().items()}
         return patchable_tensors(plan.tensors, plan.targets, shapes, refused)
 
@@ -460,7 +478,7 @@ class WeightSync:
             fault_point("verify")
             replicas, sharded = self.writer.engine_digests()
             result = digests.compare(replicas, sharded=sharded)
-            if result.mismatched:
+            if result.failed:
                 raise VerifyError(result.describe())
             return result
 
@@ -523,6 +541,8 @@ class WeightSync:
             self._delta.forget()
         if self._sparse is not None:
             self._sparse.forget()
+        if self._digests is not None:
+            self._digests.forget()
 
     def sync(self, *, whole: bool = False) -> SyncReport:
         """Gather, map, cast and push every parameter once; every rank must call it (it runs collectives).

@@ -77,6 +77,7 @@ class WeightStream:
         merge: adds PEFT adapter deltas to their base weights (PEFT models only).
         dtype: the engine dtype floating tensors are cast to (None: keep the trainer's).
         meter: accounts the full tensors the stream holds.
+        uncast: checkpoint names never cast (the engine keeps them wider than `dtype`).
     """
 
     def __init__(
@@ -88,8 +89,10 @@ class WeightStream:
         merge: PeftMerge | None = None,
         dtype: torch.dtype | None = None,
         meter: MemoryMeter,
+        uncast: frozenset[str] = frozenset(),
     ) -> None:
         self.gatherer = gatherer
+        self.uncast = uncast
         self.rules = rules or NameRules()
         self.layout: Layout = layout or IdentityLayout()
         self.merge = merge
@@ -281,7 +284,8 @@ class StreamPass:
                     target, tensor, fresh = queue.popleft()
                     fault_point("stream.cast", name=target)
                     for name, converted in stream.layout.convert(target, tensor):
-                        cast_to = dtype if (dtype is not None and converted.is_floating_point()) else converted.dtype
+                        cast = dtype is not None and converted.is_floating_point() and name not in stream.uncast
+                        cast_to = dtype if cast else converted.dtype
                         owned = converted.to(dtype=cast_to, copy=copy and not fresh)
                         if owned is not converted:
                             meter.hold_until_freed(owned)

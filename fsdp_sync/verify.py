@@ -38,19 +38,37 @@ class VerifyResult:
     Attributes:
         checked: engine weights whose digest was compared.
         mismatched: engine weights whose digest differs from the sent bytes.
+        moved: engine weights the loader transforms, checked to have changed with what was sent for them.
+        stale: of those, the ones that kept their previous value although what was sent for them changed.
         unverifiable: engine weight (or sent tensor) -> why it could not be compared.
     """
 
     checked: int = 0
     mismatched: list[str] = field(default_factory=list)
+    moved: int = 0
+    stale: list[str] = field(default_factory=list)
     unverifiable: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def failed(self) -> bool:
+        return bool(self.mismatched or self.stale)
+
     def describe(self, limit: int = 10) -> str:
-        names = ", ".join(self.mismatched[:limit]) + (" ..." if len(self.mismatched) > limit else "")
-        return (
-            f"{len(self.mismatched)} of {self.checked} engine weight(s) differ from what was sent: {names}. Something "
-            "other than this sync wrote into the engine, or the engine's loader transformed the weights."
-        )
+        parts = []
+        if self.mismatched:
+            names = ", ".join(self.mismatched[:limit]) + (" ..." if len(self.mismatched) > limit else "")
+            parts.append(
+                f"{len(self.mismatched)} of {self.checked} engine weight(s) differ from what was sent: {names}. "
+                "Something other than this sync wrote into the engine, or the engine's loader transformed the weights."
+            )
+        if self.stale:
+            names = ", ".join(self.stale[:limit]) + (" ..." if len(self.stale) > limit else "")
+            parts.append(
+                f"{len(self.stale)} of {self.moved} engine weight(s) the loader transforms kept their previous value "
+                f"although what was sent for them changed: {names}. The engine did not take them (a loader that "
+                "bypasses vLLM's in-place reload leaves the old tensor with no error)."
+            )
+        return " ".join(parts)
 
     def describe_unverifiable(self, limit: int = 5) -> str:
         reasons: dict[str, list[str]] = {}
@@ -62,42 +80,97 @@ class VerifyResult:
         return f"verify: {self.checked} engine weight(s) checked; unverifiable: {'; '.join(parts)}"
 
 
+# Engines may keep a 1-D 16-bit weight widened to float32: vLLM-CPU's small-GEMM kernel casts a linear layer's bias
+# to float32 (`dispatch_cpu_unquantized_gemm`, measured on vLLM 0.32 with a bf16 engine: every `qkv_proj.bias` and
+# `o_proj.bias` of the tiny test models). The widening is exact, so its digest is that of the sent values cast to
+# float32, which is accepted as well. Only 1-D tensors (biases, norms: small) get this second hash.
+_WIDENED = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
 @dataclass
 class _Fused:
-    """The sent parts of one engine parameter, hashed in the engine's order as they arrive."""
+    """The sent parts of one engine parameter, hashed in the engine's order as they arrive (and, for 1-D 16-bit
+    parts, hashed again widened to float32)."""
 
     parts: int
     hasher: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    widened: "hashlib._Hash | None" = None
     next_part: int = 0
-    early: dict[int, bytes] = field(default_factory=dict)
+    early: dict[int, tuple[bytes, bytes | None]] = field(default_factory=dict)
     numel: int = 0
 
     def add(self, index: int, tensor: torch.Tensor) -> None:
         self.numel += tensor.numel()
+        wide = _WIDENED.get(tensor.dtype) if tensor.dim() == 1 else None
+        if index == 0 and wide is not None:
+            self.widened = hashlib.sha256()
+        widened = tensor_bytes(tensor.to(wide)) if wide is not None else None
         if index != self.next_part:  # arrived before a part that precedes it: keep its bytes until then
-            self.early[index] = bytes(tensor_bytes(tensor))
+            self.early[index] = (bytes(tensor_bytes(tensor)), bytes(widened) if widened is not None else None)
             return
-        self.hasher.update(tensor_bytes(tensor))
-        self.next_part += 1
+        self._update(tensor_bytes(tensor), widened)
         while self.next_part in self.early:
-            self.hasher.update(self.early.pop(self.next_part))
-            self.next_part += 1
+            self._update(*self.early.pop(self.next_part))
+
+    def _update(self, data: memoryview | bytes, widened: memoryview | bytes | None) -> None:
+        self.hasher.update(data)
+        if self.widened is not None:
+            if widened is None:
+                self.widened = None  # a part that is not 1-D 16-bit: no widened form of the whole
+            else:
+                self.widened.update(widened)
+        self.next_part += 1
 
     @property
     def complete(self) -> bool:
         return self.next_part == self.parts
 
+    def matches(self, digest: str) -> bool:
+        """Whether the engine's digest is that of the sent bytes (or of their exact float32 widening)."""
+        if self.hasher.copy().hexdigest() == digest:
+            return True
+        return self.widened is not None and self.widened.copy().hexdigest() == digest
+
 
 class EngineDigests:
-    """Trainer-side digests of what one sync sends, per engine parameter.
+    """Trainer-side digests of what one sync sends, per engine parameter, and what they show from sync to sync.
+
+    Where the engine's loader transforms a tensor (gpt-oss's expert stacks, per-expert checkpoints fused into one
+    experts tensor, then repacked by vLLM-CPU), no digest of the sent bytes can match the engine's. What can still be
+    seen is whether the push reached it: where the model's loader, run dry (`EngineLayout.lands_in`), says which
+    engine parameters a checkpoint tensor writes, a parameter whose sources changed since the last verified sync must
+    have changed in the engine too. An unchanged digest there is a stale engine weight, reported like a mismatch (the
+    kind of failure gpt-oss's reload showed: every parameter but the expert stacks and sinks updated, with no error).
 
     Args:
         naming: where vLLM loads each checkpoint tensor (the model's renaming and `packed_modules_mapping`).
+        transformed: checkpoint names the engine's loader transforms (`EngineLayout.transformed`).
+        lands_in: checkpoint name -> engine parameters its load writes (`EngineLayout.lands_in`).
     """
 
-    def __init__(self, naming: EngineNaming) -> None:
+    def __init__(
+        self,
+        naming: EngineNaming,
+        *,
+        transformed: frozenset[str] = frozenset(),
+        lands_in: Mapping[str, tuple[str, ...]] | None = None,
+    ) -> None:
         self._naming = naming
+        self._transformed = transformed
         self._entries: dict[str, _Fused] = {}
+        # Engine parameter -> the checkpoint tensors its value is derived from, where that is not the tensor of its
+        # own name (those are compared directly).
+        self._sources_of: dict[str, list[str]] = {}
+        for name, params in (lands_in or {}).items():
+            if name in transformed or params != (naming.parameter(name)[0],):
+                for param in params:
+                    self._sources_of.setdefault(param, []).append(name)
+        self._tracked = frozenset(n for names in self._sources_of.values() for n in names)
+        # The names the tracked tensors would have by the renaming alone: not reported as missing from the engine.
+        self._renamed_only = frozenset(naming.parameter(n)[0] for n in self._tracked)
+        self._sent: dict[str, str] = {}
+        self._sent_before: dict[str, str] = {}
+        self._engine_before: dict[tuple[int, str], str] = {}
         self.seconds = 0.0
 
     @classmethod
@@ -109,18 +182,40 @@ class EngineDigests:
         """
         if layout.no_digests is not None:
             raise layout.no_digests
-        return cls(layout.naming)
+        return cls(layout.naming, transformed=layout.transformed or frozenset(), lands_in=layout.lands_in)
 
     def reset(self) -> None:
+        """Before each sync: nothing sent yet (what the last verified sync sent and found is kept)."""
         self._entries = {}
+        self._sent = {}
         self.seconds = 0.0
+
+    def forget(self) -> None:
+        """After a failed sync: what the engine held before is no longer known."""
+        self._sent_before = {}
+        self._engine_before = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         started = time.perf_counter()
-        engine_name, index, parts = self._naming.parameter(name)
-        entry = self._entries.setdefault(engine_name, _Fused(parts))
-        entry.add(index, tensor)
+        if name in self._tracked:
+            # Compared through the parameters it lands in (`_moved`), never byte for byte.
+            self._sent[name] = hashlib.sha256(tensor_bytes(tensor)).hexdigest()
+        else:
+            engine_name, index, parts = self._naming.parameter(name)
+            entry = self._entries.setdefault(engine_name, _Fused(parts))
+            entry.add(index, tensor)
         self.seconds += time.perf_counter() - started
+
+    def _moved(self, replica: int, name: str, digest: str) -> bool | None:
+        """Whether an engine parameter that cannot be compared directly changed as its sources did: True (it did),
+        False (stale: its sources changed since the last verified sync and it did not), None (cannot tell)."""
+        sources = self._sources_of.get(name)
+        before = self._engine_before.get((replica, name))
+        if not sources or before is None or not all(s in self._sent and s in self._sent_before for s in sources):
+            return None
+        if all(self._sent[s] == self._sent_before[s] for s in sources):
+            return None  # nothing it is made of changed: unchanged is right, and proves nothing
+        return digest != before
 
     def compare(self, replicas: Sequence[Mapping[str, str]], *, sharded: bool = False) -> VerifyResult:
         """Compare with the engine's digests by engine parameter name (worker prefixes removed).
@@ -136,16 +231,31 @@ class EngineDigests:
                 entry = self._entries.get(name)
                 if sharded:
                     result.unverifiable[name + tag] = "the engine shards it over workers (tensor or pipeline parallel)"
-                elif entry is None:
-                    result.unverifiable[name + tag] = "no single sent tensor corresponds to it (e.g. fused experts)"
+                    continue
+                if entry is None:
+                    moved = self._moved(index, name, digest)
+                    if moved is not None:
+                        result.moved += 1
+                        if not moved:
+                            result.stale.append(name + tag)
+                    elif name in self._sources_of:
+                        result.unverifiable[name + tag] = (
+                            "the engine's loader transforms what is sent for it (transposed, sliced, stacked or a "
+                            "converted layout), and its sources did not change since the last verified sync"
+                        )
+                    else:
+                        result.unverifiable[name + tag] = "no single sent tensor corresponds to it (e.g. fused experts)"
                 elif not entry.complete:
                     result.unverifiable[name + tag] = "only some of its fused parts were sent"
                 elif digest == EMPTY_DIGEST and entry.numel > 0:
                     result.unverifiable[name + tag] = "the engine hides it (repacked to size 0, as vLLM-CPU does)"
                 else:
                     result.checked += 1
-                    if entry.hasher.copy().hexdigest() != digest:
+                    if not entry.matches(digest):
                         result.mismatched.append(name + tag)
-            for name in sorted(set(self._entries) - set(engine)):
+            for name in sorted(set(self._entries) - set(engine) - self._renamed_only):
                 result.unverifiable[name + tag] = "sent, but the engine reports no parameter of this name"
+        if not result.mismatched and not result.stale:
+            self._sent_before.update(self._sent)
+            self._engine_before = {(i, n): d for i, engine in enumerate(replicas) for n, d in engine.items()}
         return result

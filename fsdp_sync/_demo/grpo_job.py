@@ -233,6 +233,7 @@ class EngineChecker:
         from vllm import SamplingParams
 
         from fsdp_sync.compat.engine_api import engine_handle, engine_name_mapper, packed_modules
+        from fsdp_sync.compat.reload_api import load_dtypes
         from fsdp_sync._demo.engine import (
             by_engine_name,
             compare_states,
@@ -249,7 +250,11 @@ class EngineChecker:
         handle = engine_handle(llm)
         packed = packed_modules(handle.model)
         direct_checked, direct_problems = fused_direct_check(
-            after_sync, by_engine_name(checkpoint, engine_name_mapper(handle.model)), packed, handle.dtype
+            after_sync,
+            by_engine_name(checkpoint, engine_name_mapper(handle.model)),
+            packed,
+            handle.dtype,
+            load_dtypes=load_dtypes(handle.model),
         )
         full = self._last_full
         logits_problems = logprobs_check(llm, full, self.trainer.processing_class, handle.dtype)

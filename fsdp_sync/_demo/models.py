@@ -14,6 +14,7 @@ import torch
 
 __all__ = [
     "FAMILIES",
+    "SERVED_BY_TRANSFORMERS_BACKEND",
     "TinySpec",
     "auto_model_class",
     "build_tiny_checkpoint",
@@ -49,10 +50,12 @@ class TinySpec:
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 64
+    # The dtype a vLLM engine started with dtype "auto" runs in (the checkpoint's config says it); None: the weights'.
+    engine_dtype: str | None = None
 
 
 def config_for(spec: TinySpec):
-    """The transformers config of a tiny spec."""
+    """The transformers config of a tiny spec (every family keeps head_dim 64, or what vLLM-CPU's kernels need)."""
     from transformers import AutoConfig
 
     common = dict(
@@ -70,29 +73,95 @@ def config_for(spec: TinySpec):
         bos_token_id=None,
         dtype="float32",
     )
+    tokens = dict(eos_token_id=1, pad_token_id=0, bos_token_id=None, dtype="float32")
+    no_head_dim = {k: v for k, v in common.items() if k != "head_dim"}
+    experts = dict(num_experts_per_tok=spec.num_experts_per_tok, moe_intermediate_size=spec.moe_intermediate_size)
+    two_kinds = ["sliding_attention", "full_attention"][: spec.num_hidden_layers]
     match spec.family:
-        case "qwen2" | "llama" | "qwen3":
+        case "qwen2" | "llama" | "qwen3" | "mistral" | "gemma" | "granite" | "glm4" | "olmo2" | "smollm3":
             return AutoConfig.for_model(spec.family, **common)
+        case "cohere":
+            # Its default logit scale (0.0625) flattens a tiny model's logits until trained and untrained weights
+            # give the same first-token logprobs: the functional check could not tell them apart.
+            return AutoConfig.for_model(spec.family, logit_scale=1.0, **common)
+        case "gemma2" | "gemma3_text":
+            # Sliding and full attention layers; the window exceeds the tests' contexts, so both compute alike.
+            return AutoConfig.for_model(spec.family, query_pre_attn_scalar=spec.head_dim, sliding_window=64, **common)
+        case "exaone4":
+            return AutoConfig.for_model(spec.family, sliding_window=64, layer_types=two_kinds, **common)
+        case "phi3" | "stablelm" | "starcoder2" | "olmoe":
+            # head_dim is hidden_size / num_attention_heads in these configs.
+            extra = {"num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok}
+            return AutoConfig.for_model(spec.family, **(extra if spec.family == "olmoe" else {}), **no_head_dim)
+        case "gpt_neox":
+            return AutoConfig.for_model(spec.family, **{k: v for k, v in no_head_dim.items() if k != "num_key_value_heads"})
+        case "falcon":
+            return AutoConfig.for_model(
+                "falcon", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+                new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
+                max_position_embeddings=512, tie_word_embeddings=spec.tie_word_embeddings, **tokens,
+            )  # fmt: skip
+        case "gpt2":
+            return AutoConfig.for_model(
+                "gpt2", vocab_size=spec.vocab_size, n_embd=spec.hidden_size, n_inner=spec.intermediate_size,
+                n_layer=spec.num_hidden_layers, n_head=spec.num_attention_heads, n_positions=512,
+                tie_word_embeddings=spec.tie_word_embeddings, **tokens,
+            )  # fmt: skip
         case "qwen3_moe":
             return AutoConfig.for_model(
-                "qwen3_moe",
-                num_experts=spec.num_experts,
-                num_experts_per_tok=spec.num_experts_per_tok,
-                moe_intermediate_size=spec.moe_intermediate_size,
-                decoder_sparse_step=1,
-                norm_topk_prob=True,
-                **common,
+                "qwen3_moe", num_experts=spec.num_experts, decoder_sparse_step=1, norm_topk_prob=True, **experts, **common
             )
+        case "qwen2_moe":
+            return AutoConfig.for_model(
+                "qwen2_moe", num_experts=spec.num_experts, decoder_sparse_step=1,
+                shared_expert_intermediate_size=spec.moe_intermediate_size, **experts, **common,
+            )  # fmt: skip
+        case "mixtral":
+            return AutoConfig.for_model(
+                "mixtral", num_local_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok, **common
+            )
+        case "gpt_oss":
+            # Attention sinks per head, experts with biases (kept fused, gate and up interleaved), sliding and full
+            # layers (the window exceeds the tests' contexts).
+            return AutoConfig.for_model(
+                "gpt_oss", num_local_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                sliding_window=64, layer_types=two_kinds, **{**common, "intermediate_size": spec.moe_intermediate_size},
+            )  # fmt: skip
+        case "deepseek_v2" | "deepseek_v3":
+            # Multi-head latent attention: vLLM-CPU's MLA kernel runs only a latent of kv_lora_rank + rope = 576
+            # (`CPUMLABackend.get_supported_head_sizes`). Layer 0 dense, the others routed experts plus a shared one;
+            # V3 also compresses queries (q_lora_rank) and routes by sigmoid with `e_score_correction_bias`, a buffer
+            # in transformers that vLLM loads as a weight.
+            mla = dict(
+                kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                q_lora_rank=64 if spec.family == "deepseek_v3" else None, n_routed_experts=spec.num_experts,
+                n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+            )  # fmt: skip
+            if spec.family == "deepseek_v3":  # as DeepSeek-V3's own config.json (vLLM reads them; transformers does not)
+                mla.update(topk_method="noaux_tc", scoring_func="sigmoid")
+            base = {k: v for k, v in no_head_dim.items() if k != "num_key_value_heads"}
+            return AutoConfig.for_model(spec.family, num_key_value_heads=spec.num_attention_heads, **mla, **experts, **base)
         case _:
             raise ValueError(f"Unknown tiny model family {spec.family!r}; valid: {sorted(FAMILIES)}")
 
 
 FAMILIES: dict[str, TinySpec] = {
-    "qwen2": TinySpec(family="qwen2", tie_word_embeddings=True),
-    "llama": TinySpec(family="llama", tie_word_embeddings=False),
-    "qwen3": TinySpec(family="qwen3", tie_word_embeddings=True),
-    "qwen3_moe": TinySpec(family="qwen3_moe", tie_word_embeddings=False),
-}
+    # NOTE: vLLM-CPU runs multi-head latent attention in bf16 only (its AMX kernels), so DeepSeek's checkpoints ask
+    # for a bf16 engine; the weights stay float32.
+    name: TinySpec(family=name, tie_word_embeddings=tied, engine_dtype="bfloat16" if name.startswith("deepseek") else None)
+    for name, tied in {
+        "qwen2": True, "llama": False, "qwen3": True, "qwen3_moe": False, "mistral": False, "gemma": True,
+        "gemma2": True, "gemma3_text": True, "phi3": False, "gpt2": True, "falcon": True, "stablelm": False,
+        "cohere": True, "granite": True, "glm4": False, "exaone4": False, "mixtral": False, "qwen2_moe": False,
+        "olmoe": False, "gpt_oss": False, "deepseek_v2": False, "deepseek_v3": False,
+        "gpt_neox": False, "olmo2": False, "starcoder2": True, "smollm3": True,
+    }.items()
+}  # fmt: skip
+
+# The families vLLM 0.32 serves through its generic Transformers backend (no model class of its own; measured), which
+# changes transformers' classes in the process that builds the engine: colocated training is refused for them.
+SERVED_BY_TRANSFORMERS_BACKEND = frozenset({"gpt_neox", "olmo2", "starcoder2", "smollm3"})
 
 
 def build_tokenizer(out_dir: str | Path, special: list[str] | None = None):
@@ -138,6 +207,10 @@ def build_tiny_checkpoint(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config_for(spec), dtype=dtype)
     model.save_pretrained(str(out))
+    if spec.engine_dtype is not None:
+        config = json.loads((out / "config.json").read_text())
+        config["dtype"] = spec.engine_dtype
+        (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "tiny_spec.json").write_text(json.dumps(spec.__dict__, indent=1))
     return out
 

@@ -10,6 +10,7 @@ from torch import nn
 from ..backend import Backend, UnsupportedBackendError, unwrap_outer
 from ..config import SyncConfig
 from .base import GatherFailed, Gatherer
+from .buffers import WithBuffers, persistent_buffers
 from .fsdp1 import FSDP1FlatGatherer, FSDP1RootSummonGatherer, FSDP1UnitGatherer
 from .fsdp2 import FSDP2FlatGatherer, FSDP2ParamGatherer, FSDP2UnitGatherer
 from .plain import PlainGatherer
@@ -24,6 +25,7 @@ __all__ = [
     "GatherFailed",
     "Gatherer",
     "PlainGatherer",
+    "WithBuffers",
     "make_gatherer",
 ]
 
@@ -38,7 +40,8 @@ def make_gatherer(
     merge_scopes: tuple[type, ...] = (),
     keep_dtype: Callable[[str], bool] | None = None,
 ) -> Gatherer:
-    """The gatherer for `backend` and the configured strategy.
+    """The gatherer for `backend` and the configured strategy, followed by the model's persistent buffers where it
+    has any (`WithBuffers`: checkpoint tensors that transformers keeps as buffers).
 
     Args:
         model: the model as the trainer holds it (outer DDP / compile wrappers are removed here).
@@ -50,6 +53,22 @@ def make_gatherer(
             the engine dtype once, as PEFT's merge then a cast would.
     """
     inner = unwrap_outer(model)
+    gatherer = _parameter_gatherer(
+        inner, backend, config, engine_dtype, compute_device, merge_scopes, keep_dtype
+    )
+    buffers = persistent_buffers(inner)
+    return WithBuffers(gatherer, inner, buffers) if buffers else gatherer
+
+
+def _parameter_gatherer(
+    inner: nn.Module,
+    backend: Backend,
+    config: SyncConfig,
+    engine_dtype: torch.dtype | None,
+    compute_device: torch.device | None,
+    merge_scopes: tuple[type, ...],
+    keep_dtype: Callable[[str], bool] | None,
+) -> Gatherer:
     strategy = config.fsdp1_strategy if backend == Backend.FSDP1 else config.fsdp2_strategy
     match backend, strategy:
         case Backend.FSDP1, "unit":

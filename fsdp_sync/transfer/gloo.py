@@ -241,10 +241,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         self._reloading = False
 
     def _begin_reload(self) -> None:
-        from fsdp_sync.compat.vllm_patches import keep_moe_experts_processed_on_reload
+        from fsdp_sync.compat.vllm_patches import keep_moe_experts_processed_on_reload, load_gpt_oss_through_weight_loaders
         from fsdp_sync.compat.reload_api import begin_reload, eager_reload_tensors
 
         keep_moe_experts_processed_on_reload(self.model)
+        load_gpt_oss_through_weight_loaders(self.model)
         begin_reload(self.model)
         self._reloading = True
         # What the reload writes in place as it arrives (biases), for a round that ends part-way.

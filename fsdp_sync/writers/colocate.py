@@ -9,6 +9,7 @@ call per tensor was measured 14.7x slower than one call for all (146 tensors, vL
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Iterable, Sequence
@@ -22,13 +23,15 @@ from fsdp_sync.compat.engine_api import (
     EngineLayout,
     engine_handle,
     engine_naming,
+    released_for_reload,
     reset_prefix_cache,
     split_worker_digests,
     wake_up_weights,
 )
+from fsdp_sync.compat.load_probe import Landing, probe_loads, reload_gaps
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch, EnginePatcher, patch_loader, patch_refusals
-from fsdp_sync.compat.reload_api import eager_reload_tensors, finalize_failed_reload
+from fsdp_sync.compat.reload_api import eager_reload_tensors, finalize_failed_reload, load_dtypes
 from fsdp_sync.compat.vllm_patches import quiet_partial_reload, refresh_tied_cpu_gemms
 
 from ..errors import EngineState, StreamInterrupted, SyncError
@@ -64,9 +67,45 @@ class ColocateWriter:
         self.checkpoint_dir = checkpoint_dir or self.handle.model_path
         self.wake_up_first = wake_up_first
         self._patcher = EnginePatcher(self.handle.model)
+        self._checkpoint: EngineManifest | None = None
+        self._landings: dict[str, Landing] | None = None
+
+    def _read(self) -> tuple[EngineManifest, dict[str, Landing]]:
+        """The engine's checkpoint and where its model's loader puts each tensor (read and probed once: parameter
+        names and offsets do not change while the engine lives)."""
+        if self._checkpoint is None or self._landings is None:
+            checkpoint = read_checkpoint_manifest(self.checkpoint_dir, engine_dtype=self.engine_dtype)
+            sent = {name: (spec.shape, self._sent_dtype(checkpoint, name)) for name, spec in checkpoint.tensors.items()}
+            self._landings = probe_loads(self.handle.model, sent)
+            self._checkpoint = checkpoint
+        return self._checkpoint, self._landings
 
     def manifest(self) -> EngineManifest:
-        return read_checkpoint_manifest(self.checkpoint_dir, engine_dtype=self.engine_dtype)
+        """The engine's checkpoint, with what it cannot update in place: tensors its model's loader writes around the
+        layer-wise reload, and those whose engine parameter it released after loading."""
+        checkpoint, landings = self._read()
+        refused = reload_gaps(landings) if self.handle.layerwise else {}
+        released = released_for_reload(self.handle.model)
+        if released:
+            naming = engine_naming(self.handle.model)
+            for name in checkpoint.tensors:
+                reason = released.get(naming.parameter(name)[0])
+                if reason is not None:
+                    refused[name] = reason
+        return dataclasses.replace(checkpoint, refused=refused, wider=self._wider(landings))
+
+    def _wider(self, landings: dict[str, Landing]) -> dict[str, torch.dtype]:
+        """Checkpoint names whose landing parameters the loader writes in a float dtype wider than the engine's."""
+        if self.engine_dtype is None:
+            return {}
+        dtypes = load_dtypes(self.handle.model)
+        wider: dict[str, torch.dtype] = {}
+        for name, landing in landings.items():
+            for param in {*landing.loaders, *(c.param for c in landing.copies)}:
+                dtype = dtypes.get(param)
+                if dtype is not None and dtype.is_floating_point and dtype.itemsize > self.engine_dtype.itemsize:
+                    wider[name] = dtype
+        return wider
 
     def prepare(self, planned: Sequence[PlannedTensor]) -> None:
         """Nothing to announce: the in-place reload takes tensors in any order."""
@@ -150,7 +189,20 @@ class ColocateWriter:
     def engine_layout(self) -> EngineLayout:
         model = self.handle.model
         modules = frozenset(name.rpartition(".")[0] for name, _ in model.named_parameters())
-        return EngineLayout(engine_naming(model), modules)
+        checkpoint, landings = self._read()
+        known = {name: landing for name, landing in landings.items() if landing.error is None}
+        transformed = frozenset(
+            name for name, landing in known.items()
+            if landing.copies and not landing.predictable(self._sent_dtype(checkpoint, name))
+        )  # fmt: skip
+        lands_in = {
+            name: tuple(sorted({*landing.loaders, *(c.param for c in landing.copies)})) for name, landing in known.items()
+        }
+        return EngineLayout(engine_naming(model), modules, transformed=transformed, lands_in=lands_in)
+
+    def _sent_dtype(self, checkpoint: EngineManifest, name: str) -> torch.dtype:
+        stored = checkpoint.tensors[name].dtype
+        return self.engine_dtype if self.engine_dtype is not None and stored.is_floating_point else stored
 
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         compute = getattr(self.handle.worker, "compute_weight_checksums", None)

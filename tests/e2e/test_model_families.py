@@ -27,6 +27,22 @@ def test_family(family: str, backend: str, checkpoints, tmp_path) -> None:
         assert any(n.endswith("mlp.experts.gate_up_proj") for n in names), "transformers 5 keeps experts fused"
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_attention_variant_and_moe_families_under_fsdp2(family: str, checkpoints, tmp_path) -> None:
+    """gpt-oss (attention sinks; expert stacks with biases, which vLLM's own loader writes around an in-place reload)
+    and DeepSeek-V3 (latent attention on a bf16 engine, routed and shared experts, a router bias transformers keeps
+    as a buffer and vLLM as a float32 weight) through the real trainer: FSDP2 shards the 1-D sinks, the 3-D expert
+    stacks and the buffer's owner like any other unit; every sync bit-exact (experts through the engine's loader)."""
+    model_dir = checkpoints(family)
+    result = run_grpo(model_dir, tmp_path, "fsdp2")
+    ranks = assert_synced_every_time(result, "fsdp2", tensors=checkpoint_tensor_count(model_dir), dense=False)
+    names = ranks[0]["trainer_names"]
+    if family == "gpt_oss":
+        assert any(n.endswith("self_attn.sinks") for n in names) and any(n.endswith("experts.gate_up_proj") for n in names)
+    else:
+        assert any(n.endswith("mlp.gate.e_score_correction_bias") for n in names), "the buffer is sent like a weight"
+
+
 @pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
 def test_lora_merged_push(backend: str, checkpoints, tmp_path) -> None:
     model_dir = checkpoints("qwen2")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_sync._demo.models import FAMILIES
 from fsdp_sync.cli import EXIT_USAGE, UsageError, make_parser, require, run
 from fsdp_sync.demo import main as demo_main
 from fsdp_sync.dry_run import main as check_main
@@ -56,8 +57,9 @@ def _exits_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
 
 def test_demo_unknown_family_is_a_usage_error(capsys) -> None:
-    err = _exits_2(capsys, ["--family", "gpt2"])
-    assert "argument --family: invalid choice: 'gpt2' (choose from 'llama', 'qwen2', 'qwen3', 'qwen3_moe')" in err
+    err = _exits_2(capsys, ["--family", "bert"])
+    listed = ", ".join(f"'{name}'" for name in sorted(FAMILIES))
+    assert f"argument --family: invalid choice: 'bert' (choose from {listed})" in err
 
 
 def test_demo_malformed_numbers_are_usage_errors(capsys) -> None:
@@ -93,7 +95,7 @@ def test_demo_missing_dependency_names_the_extra(monkeypatch: pytest.MonkeyPatch
             [
                 "--backend {fsdp2,fsdp1,ddp}",
                 "how accelerate wraps the model (default: fsdp2)",
-                "--family {llama,qwen2,qwen3,qwen3_moe}",
+                "--family {" + ",".join(sorted(FAMILIES)) + "}",
                 "(default: qwen2)",
                 "(default: 3)",
                 "(default: a new temporary directory)",

