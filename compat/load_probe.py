@@ -75,18 +75,17 @@ class Landing:
         return sorted({c.param for c in self.copies if not c.in_loader})
 
     def single_copy(self, dtype: torch.dtype) -> Copy | None:
-        """The landing's write when it is one whole, uncast copy of a `dtype` tensor into a contiguous run."""
-        if len(self.copies) != 1:
+        """The landing's write when it is one whole copy of a `dtype` tensor into a contiguous run of a parameter,
+        uncast or exactly widened (the parameter then holds exactly the sent values)."""
+        if len(self.copies) != 1 or self.error is not None:
             return None
         copy = self.copies[0]
-        return copy if copy.whole and copy.offset >= 0 and copy.dtype == dtype else None
+        exact = copy.dtype == dtype or (dtype, copy.dtype) in _WIDENINGS
+        return copy if copy.whole and copy.offset >= 0 and exact else None
 
     def predictable(self, dtype: torch.dtype) -> bool:
-        """Whether the engine holds exactly the sent values here (one whole copy, uncast or exactly widened)."""
-        if len(self.copies) != 1 or self.error is not None:
-            return False
-        copy = self.copies[0]
-        return copy.whole and copy.offset >= 0 and (copy.dtype == dtype or (dtype, copy.dtype) in _WIDENINGS)
+        """Whether the engine holds exactly the sent values here (`single_copy`)."""
+        return self.single_copy(dtype) is not None
 
 
 class _Catch(TorchFunctionMode):
@@ -121,9 +120,24 @@ class _Probe:
         self.current: Landing | None = None
         self.source: torch.Tensor | None = None
         self.depth = 0
+        # Each checkpoint tensor handed to the loader, by identity: what a write or a loader call receives is charged
+        # to the tensor it is (a view of), since vLLM's loaders read the iterator ahead (`AutoWeightsLoader` groups
+        # tensors by module prefix with `itertools.groupby`, which takes the next tensor before the last of a group
+        # is loaded), so "the tensor last handed out" is not always the one being loaded.
+        self.sources: dict[int, tuple[Landing, torch.Tensor]] = {}
+
+    def owner(self, tensor: Any) -> tuple[Landing, torch.Tensor] | None:
+        """The checkpoint tensor `tensor` is, or is a view of; None for a tensor the loader computed anew."""
+        while isinstance(tensor, torch.Tensor):
+            found = self.sources.get(id(tensor))
+            if found is not None:
+                return found
+            tensor = tensor._base
+        return None
 
     def wrote(self, destination: torch.Tensor, source: torch.Tensor | None) -> None:
-        landing = self.current
+        found = self.owner(source)
+        landing, whole_source = found if found is not None else (self.current, self.source)
         if landing is None or destination.is_meta or not destination.numel():
             return
         owners = self.by_storage.get(destination.untyped_storage().data_ptr(), [])
@@ -133,10 +147,10 @@ class _Probe:
             inside = 0 <= offset and offset + destination.numel() <= param.numel()
             whole = (
                 source is not None
-                and self.source is not None
-                and source.shape == self.source.shape
-                and source.stride() == self.source.stride()
-                and (source.is_meta or source.data_ptr() == self.source.data_ptr())
+                and whole_source is not None
+                and source.shape == whole_source.shape
+                and source.stride() == whole_source.stride()
+                and (source.is_meta or source.data_ptr() == whole_source.data_ptr())
             )
             landing.copies.append(
                 Copy(name, offset if contiguous and inside else -1, destination.numel(), whole, param.dtype,
@@ -146,6 +160,10 @@ class _Probe:
 
     def recorder(self, name: str, loader: Any) -> Any:
         def record(*args: Any, **kwargs: Any) -> Any:
+            found = next(filter(None, map(self.owner, [*args[1:], *kwargs.values()])), None)
+            outer = self.current, self.source
+            if found is not None:  # the writes inside this loader are this tensor's
+                self.current, self.source = found
             if self.current is not None and name not in self.current.loaders:
                 self.current.loaders.append(name)
             self.depth += 1
@@ -153,6 +171,7 @@ class _Probe:
                 return loader(*args, **kwargs)
             finally:
                 self.depth -= 1
+                self.current, self.source = outer
 
         return record
 
@@ -192,6 +211,7 @@ def probe_loads(
         for name in names:
             shape, dtype = specs[name]
             probe.current, probe.source = landings[name], torch.empty(shape, dtype=dtype, device=device)
+            probe.sources[id(probe.source)] = (probe.current, probe.source)
             yield name, probe.source
 
     try:
@@ -207,6 +227,7 @@ def probe_loads(
                         landings[name] = Landing(error=f"{type(e).__name__}: {e}")
     finally:
         probe.current = probe.source = None
+        probe.sources.clear()
         for param, loader in originals.values():
             if loader is _MISSING:
                 del param.weight_loader  # type: ignore[attr-defined]

@@ -83,8 +83,9 @@ class PatchTarget:
 def find_patch_targets(model: torch.nn.Module, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, PatchTarget]:
     """Where each checkpoint tensor lands, found by the model's own loader run dry (`load_probe.probe_loads`:
     nothing is written, and only this thread's copies are caught). A tensor whose load ends in exactly one copy of
-    the whole tensor, unsliced and uncast, into a contiguous run of one parameter gets a target; the others
-    (tensor-parallel slices, casts, composed loaders) get none and are patched through vLLM's loader.
+    the whole tensor, unsliced and uncast (or widened exactly, as vLLM-CPU keeps some biases in float32), into a
+    contiguous run of one parameter gets a target; the others (tensor-parallel slices, casts, composed loaders) get
+    none and are patched through vLLM's loader.
 
     Why: vLLM's `load_checkpoint_weight_patches` builds a full NaN-filled tensor per patched tensor and writes every
     element of it (`torch.where`): measured 0.41 s for 3% changes of a 150M model on the 2-core CPU machine, more

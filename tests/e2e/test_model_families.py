@@ -73,3 +73,15 @@ def test_fsdp2_torch_compile_and_gradient_checkpointing(checkpoints, tmp_path) -
     result = run_grpo(model_dir, tmp_path, "fsdp2", "--torch-compile", "aot_eager", "--gradient-checkpointing")
     ranks = assert_synced_every_time(result, "fsdp2", tensors=checkpoint_tensor_count(model_dir))
     assert all(n.startswith("_orig_mod.") for n in ranks[0]["trainer_names"])
+
+
+def test_a_colocated_engine_on_vllms_transformers_backend_is_refused_before_training(checkpoints, tmp_path) -> None:
+    """vLLM serves GPT-NeoX (vLLM 0.32) through its generic Transformers backend, which changes transformers' model
+    classes in the trainer's process; the trainer's first forward would die in them. The mixin refuses when the
+    trainer is built, and points to server mode (where the sweep proves such a family)."""
+    result = run_grpo(checkpoints("gpt_neox"), tmp_path, "single", ranks=1, check=False)
+    (rank,) = result.ranks
+    error = rank["error"]
+    assert error is not None and error["stage"] == "construct", error
+    assert error["type"] == "UnsupportedSetupError", error
+    assert "generic Transformers backend" in error["message"] and "Use server mode" in error["message"]
