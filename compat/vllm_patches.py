@@ -53,6 +53,7 @@ __all__ = [
     "keep_cpu_linear_weights",
     "keep_mla_kv_b_proj_weights",
     "load_gpt_oss_through_weight_loaders",
+    "unfixed_reload_gaps",
     "keep_moe_experts_processed_on_reload",
     "quiet_partial_reload",
     "refresh_tied_cpu_gemms",
@@ -301,6 +302,24 @@ def _through_weight_loaders(
                 yield f"{prefix}.{expert}.{leaf}", tensor[expert]
         else:
             yield name, tensor
+
+
+def unfixed_reload_gaps(architectures: Iterable[str], names: Iterable[str]) -> dict[str, str]:
+    """Checkpoint name -> why an engine without this module's loader fixes (a server on vLLM's own weight-transfer
+    backend) keeps it stale on an in-place update, for the models whose fix is `load_gpt_oss_through_weight_loaders`.
+
+    Why by name: a server's model cannot be run dry from the trainer (`load_probe`); these are the tensors vLLM
+    0.28-0.32's gpt-oss loader writes around the layer-wise reload (measured on 0.32, read in 0.28 and 0.31).
+    """
+    if "GptOssForCausalLM" not in set(architectures):
+        return {}
+    reason = (
+        "vLLM's gpt-oss loader writes it around the in-place reload, so an update keeps the old values; this package "
+        "fixes that inside the engine it writes to, which vLLM's own weight-transfer backends do not run: start the "
+        "server with --weight-transfer-config '{\"backend\": \"gloo\"}' (fsdp-vllm-sync installed on the server)"
+    )
+    stacks = tuple(f".mlp.experts.{leaf}" for leaf in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"))
+    return {name: reason for name in names if name.endswith(".self_attn.sinks") or name.endswith(stacks)}
 
 
 def keep_mla_kv_b_proj_weights() -> bool:

@@ -17,6 +17,7 @@ the gathers complete on every rank) before the ranks agree on the outcome (`Weig
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -35,6 +36,7 @@ from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
 from fsdp_sync.compat.server_api import ServerInfo
 from fsdp_sync.compat.trl_api import ServerAddress
+from fsdp_sync.compat.vllm_patches import unfixed_reload_gaps
 from fsdp_sync.compat.weight_transfer import PlanSource, plan_source, source_metadata, trainer_transfer_engine
 from ..errors import EngineState, SyncError
 from ..server_client import (
@@ -72,6 +74,8 @@ class _Transport:
         aborts_round: the backend can end a round part-way on the server's side (gloo's abort marker), so a failure
             of the trainer's own stream leaves the transfer usable; without it (vLLM's NCCL backend) the round is
             completed with placeholder tensors, which the server then holds (reported as undefined).
+        patches_loaders: the backend's worker side applies this package's fixes of vLLM's loaders
+            (`compat.vllm_patches`, e.g. gpt-oss's); without them, the tensors those fixes cover are refused.
     """
 
     retains_tensors: bool
@@ -79,6 +83,7 @@ class _Transport:
     requires_cuda: bool
     partial_round: EngineState
     aborts_round: bool
+    patches_loaders: bool
 
 
 _TRANSPORTS: dict[str, _Transport] = {
@@ -96,6 +101,7 @@ _TRANSPORTS: dict[str, _Transport] = {
             "undefined", note="vLLM's NCCL backend processes layers that received part of their weights from what they have"
         ),
         aborts_round=False,
+        patches_loaders=False,
     ),
     "gloo": _Transport(
         retains_tensors=False,
@@ -113,6 +119,7 @@ _TRANSPORTS: dict[str, _Transport] = {
             "and logs which weights hold which",
         ),
         aborts_round=True,
+        patches_loaders=True,
     ),
 }
 SUPPORTED_BACKENDS: tuple[str, ...] = tuple(_TRANSPORTS)
@@ -258,12 +265,20 @@ class ServerWriter:
 
     def manifest(self) -> EngineManifest:
         try:
-            return read_checkpoint_manifest(self.checkpoint_dir, engine_dtype=self.engine_dtype)
+            manifest = read_checkpoint_manifest(self.checkpoint_dir, engine_dtype=self.engine_dtype)
         except FileNotFoundError as e:
             raise FileNotFoundError(
                 f"{e}. The server was started from {self.info.model!r}, which this trainer cannot read; set "
                 "SyncConfig(checkpoint_dir=...) to a local copy of that checkpoint."
             ) from e
+        if self.transport.patches_loaders:
+            return manifest
+        # NOTE: a server's model cannot be run dry from here (`compat.load_probe`); the loaders this package fixes on
+        # the engine side are known by model class, and vLLM's own backends run them unfixed.
+        config = Path(self.checkpoint_dir) / "config.json"
+        architectures = (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
+        gaps = unfixed_reload_gaps(architectures, manifest.tensors)
+        return dataclasses.replace(manifest, refused=gaps) if gaps else manifest
 
     def prepare(self, planned: Sequence[PlannedTensor]) -> None:
         """The announced metadata, in stream order and in the dtype each tensor is sent in (per plan, and per

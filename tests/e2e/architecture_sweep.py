@@ -247,20 +247,20 @@ def server_logprobs(base_url: str, served: str, tokenizer: Any) -> list[dict[int
     for prompt in PROMPTS:
         body = {"model": served, "prompt": tokenizer(prompt)["input_ids"], "max_tokens": 1, "temperature": 0.0,
                 "logprobs": 5, "return_tokens_as_token_ids": True}  # fmt: skip
-        answer = requests.post(f"{base_url}/v1/completions", json=body, timeout=120).json()
+        answer = requests.post(f"{base_url}/v1/completions", json=body, timeout=600).json()
         top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
         out.append({int(token.split(":", 1)[1]): lp for token, lp in top.items()})
     return out
 
 
-def server_family(family: str, root: Path, server: Any, colocated: dict[str, Any] | None) -> dict[str, Any]:
+def server_family(
+    family: str, server: dict[str, Any], colocated: dict[str, Any] | None, trainer: Any, tokenizer: Any
+) -> dict[str, Any]:
     """The same trainer and the same three syncs as `sweep_family`, into a real vLLM server process (gloo weight
     transfer, world size 1). After every sync, the server's logprobs against the trainer's weights; after the last,
     the server's own sha256 of every parameter against those of the colocated sweep's fresh engine loaded with the
     same final weights (bit for bit, in the engine's own layout, packed experts included), where that sweep proved
     the family; else against the trainer's weights directly (q/k/v and gate/up fused as vLLM fuses them)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from fsdp_sync.assemble import build_sync
     from fsdp_sync.compat.engine_api import engine_model_class, engine_name_mapper, packed_modules_for_architectures
     from fsdp_sync.config import SyncConfig
@@ -270,15 +270,11 @@ def server_family(family: str, root: Path, server: Any, colocated: dict[str, Any
     from fsdp_sync._demo.engine import by_engine_name, digest_check, expected_checkpoint_state, expected_engine_tensor
     from fsdp_sync._demo.vllm_server import server_weight_digests
 
-    base = root / family / "base"
-    record: dict[str, Any] = {"family": family, "syncs": [], "problems": [], "startup_seconds": server.startup_seconds}
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
-    client = ServerClient(server.base_url, timeout=120)
+    record: dict[str, Any] = {"family": family, "syncs": [], "problems": [], "startup_seconds": server["startup_seconds"]}
+    client = ServerClient(server["base_url"], timeout=600)
     info = client.server_info()
-    writer = ServerWriter(client, info, group_port=free_port(), buffer_bytes=8 * 2**20, timeout_s=120)
-    trainer = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    trainer.get_input_embeddings().weight.requires_grad_(False)
-    config = SyncConfig(verify=True, sparse=True, server_timeout_s=120, sync_timeout_s=240)
+    writer = ServerWriter(client, info, group_port=free_port(), buffer_bytes=8 * 2**20, timeout_s=600)
+    config = SyncConfig(verify=True, sparse=True, server_timeout_s=600, sync_timeout_s=900)
     sync = build_sync(trainer, writer, config, device=torch.device("cpu"))
     architectures = list(trainer.config.architectures)
     strict = colocated is None or colocated.get("engine_vs_transformers", 0.0) <= LOGPROB_TOLERANCE
@@ -293,7 +289,7 @@ def server_family(family: str, root: Path, server: Any, colocated: dict[str, Any
             record["traceback"] = traceback.format_exc()[-3000:]
             return {**record, "outcome": "failed"}
         current = reference_logprobs(trainer, tokenizer)
-        got = server_logprobs(server.base_url, info.served_name, tokenizer)
+        got = server_logprobs(server["base_url"], info.served_name, tokenizer)
         entry = {
             "kind": kind, "complete": report.complete, "skipped": report.skipped_tensors, "sparse": report.sparse,
             "patched": report.patched_tensors, "verified": report.verified, "unverifiable": report.unverifiable,
@@ -307,7 +303,7 @@ def server_family(family: str, root: Path, server: Any, colocated: dict[str, Any
         if kind != "sparse" and entry["logprob_to_current"] >= entry["logprob_to_previous"]:
             record["problems"].append(f"sync {step} ({kind}): the server computes closer to the previous weights")
         previous = current
-    digests = server_weight_digests(server.base_url)
+    digests = server_weight_digests(server["base_url"])
     if colocated is not None and colocated.get("outcome") == "proven":
         expected = colocated["digests"]
         differ = sorted(n for n in expected.keys() | digests.keys() if expected.get(n) != digests.get(n))
@@ -330,38 +326,39 @@ def server_family(family: str, root: Path, server: Any, colocated: dict[str, Any
     return {**record, "outcome": "failed" if record["problems"] else "proven"}
 
 
-def serve(out: Path, root: Path, families: list[str], colocated_path: Path) -> None:
-    """Start one real server per family (concurrently: their start-up dominates), then run `server_family` on each
-    in turn."""
+def serve(out: Path, families: list[str], colocated_path: Path, servers_path: Path) -> None:
+    """`server_family` for each family, against the servers the test started (`servers_path`: family -> base URL,
+    model directory, start-up seconds), two families at a time in threads: the trainer side mostly waits on its
+    server, and the servers work in processes of their own."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from fsdp_sync.transfer.plugin import SPARSE_ENV
-    from fsdp_sync._demo.models import build_tiny_checkpoint
-    from fsdp_sync._demo.vllm_server import VLLMServerProcess
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     colocated = json.loads(colocated_path.read_text())
-    servers = {}
+    servers = json.loads(servers_path.read_text())
+    from fsdp_sync.compat.engine_api import engine_model_class
+
+    # NOTE: built here, one after another: transformers imports model classes lazily, which is not thread-safe (seen:
+    # "cannot import name 'AutoModelForCausalLM'" in three of five threads); vLLM's model classes are resolved here
+    # too.
+    trainers = {}
     for family in families:
-        base = root / family / "base"
-        if not (base / "config.json").exists():
-            build_tiny_checkpoint(base, family)
-        servers[family] = VLLMServerProcess(base, root / family / "server.log", env={SPARSE_ENV: "1"})
-    results: dict[str, Any] = {}
-    with ThreadPoolExecutor(len(servers)) as pool:
-        started = {f: pool.submit(s.start) for f, s in servers.items()}
-    try:
-        for family, server in servers.items():
-            try:
-                started[family].result()
-                results[family] = server_family(family, root, server, colocated.get(family))
-            except Exception as e:  # noqa: BLE001 - one family's failure must not hide the others
-                results[family] = {"family": family, "outcome": "failed", "problems": [first_line(e)],
-                                   "traceback": traceback.format_exc()[-3000:], "log": server.log_tail(2000)}  # fmt: skip
-            finally:
-                server.stop()
-    finally:
-        for server in servers.values():
-            server.stop()
+        model_dir = servers[family]["model_dir"]
+        trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        trainer.get_input_embeddings().weight.requires_grad_(False)
+        engine_model_class(list(trainer.config.architectures))
+        trainers[family] = (trainer, AutoTokenizer.from_pretrained(model_dir))
+
+    def one(family: str) -> dict[str, Any]:
+        try:
+            return server_family(family, servers[family], colocated.get(family), *trainers[family])
+        except Exception as e:  # noqa: BLE001 - one family's failure must not hide the others
+            return {"family": family, "outcome": "failed", "problems": [first_line(e)],
+                    "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
+
+    # NOTE: two at a time: on the 2-core machine more threads only lengthen each server's answers.
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(families, pool.map(one, families), strict=True))
     out.write_text(json.dumps(results, indent=1))
     print(json.dumps({f: r["outcome"] for f, r in results.items()}))
 
@@ -394,6 +391,6 @@ def main(out: Path, root: Path, families: list[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "server":
-        serve(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4].split(","), Path(sys.argv[5]))
+        serve(Path(sys.argv[2]), sys.argv[3].split(","), Path(sys.argv[4]), Path(sys.argv[5]))
     else:
         main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(","))

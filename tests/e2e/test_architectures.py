@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,37 @@ SERVER_FAMILIES = ("gpt_oss", "mixtral", "qwen2_moe", "olmoe", "olmo2")
 
 
 @pytest.fixture(scope="module")
-def colocated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("architectures")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("architectures")
+
+
+@pytest.fixture(scope="module")
+def servers(root: Path) -> Iterator[dict[str, tuple[Any, Future]]]:
+    """One real server per server-mode family (sparse-capable, readable weights), started here and now, before the
+    colocated sweep: they boot in processes of their own meanwhile (their start-up dominates server mode's time)."""
+    from fsdp_sync.transfer.plugin import SPARSE_ENV
+    from fsdp_sync._demo.models import build_tiny_checkpoint
+    from fsdp_sync._demo.vllm_server import VLLMServerProcess
+
+    processes = {
+        family: VLLMServerProcess(
+            build_tiny_checkpoint(root / "served" / family, family), root / "served" / f"{family}.log",
+            env={SPARSE_ENV: "1"},
+        )
+        for family in SERVER_FAMILIES
+    }  # fmt: skip
+    pool = ThreadPoolExecutor(len(processes))
+    started = {family: (process, pool.submit(process.start)) for family, process in processes.items()}
+    try:
+        yield started
+    finally:
+        pool.shutdown(wait=True)
+        for process in processes.values():
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(root: Path, servers: dict[str, tuple[Any, Future]]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     native = [f for f in FAMILIES if f not in SERVED_BY_TRANSFORMERS_BACKEND]
     # NOTE: two processes: vLLM's Transformers backend changes transformers' model classes in the process that
@@ -55,7 +86,6 @@ def colocated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             assert found, f"the sweep recorded nothing for {remaining}"
             results.update(found)
             remaining = [f for f in remaining if f not in found]
-    results["_root"] = str(root)
     return results
 
 
@@ -64,7 +94,7 @@ def _problems(record: dict[str, Any]) -> str:
 
 
 def test_every_family_is_proven_refused_before_writing_or_beyond_the_engine(colocated: dict[str, Any]) -> None:
-    families = {f: r for f, r in colocated.items() if not f.startswith("_")}
+    families = colocated
     assert families.keys() == FAMILIES.keys()
     failed = [_problems(r) for r in families.values() if r["outcome"] == "failed"]
     assert not failed, "\n".join(failed)
@@ -84,12 +114,20 @@ def test_every_family_is_proven_refused_before_writing_or_beyond_the_engine(colo
         assert not delta["complete"] and delta["skipped"] >= 1, f"{family}: the frozen embedding was not skipped"
 
 
-def test_moe_and_attention_sink_families_in_server_mode_and_the_table_is_what_ran(colocated: dict[str, Any]) -> None:
-    root = Path(colocated["_root"])
+def test_moe_and_attention_sink_families_in_server_mode_and_the_table_is_what_ran(
+    root: Path, servers: dict[str, tuple[Any, Future]], colocated: dict[str, Any]
+) -> None:
     colocated_path = root / "colocated.json"
-    colocated_path.write_text(json.dumps({f: r for f, r in colocated.items() if not f.startswith("_")}))
+    colocated_path.write_text(json.dumps(colocated))
+    addresses = {}
+    for family, (process, started) in servers.items():
+        started.result()  # raises the server's own error (with its log) if it did not come up
+        addresses[family] = {"base_url": process.base_url, "model_dir": process.model_dir,
+                             "startup_seconds": process.startup_seconds}  # fmt: skip
+    servers_path = root / "servers.json"
+    servers_path.write_text(json.dumps(addresses))
     out = root / "server.json"
-    run_engine_script(SCRIPT, "server", str(out), str(root), ",".join(SERVER_FAMILIES), str(colocated_path))
+    run_engine_script(SCRIPT, "server", str(out), ",".join(SERVER_FAMILIES), str(colocated_path), str(servers_path))
     served = json.loads(out.read_text())
     failed = [_problems(r) for r in served.values() if r["outcome"] != "proven"]
     assert not failed, "\n".join(failed)
@@ -99,7 +137,7 @@ def test_moe_and_attention_sink_families_in_server_mode_and_the_table_is_what_ra
     for record in served.values():
         print(f"server {record['family']}: up in {record['startup_seconds']:.0f} s")
 
-    found = summarize({f: r for f, r in colocated.items() if not f.startswith("_")}, served)
+    found = summarize(colocated, served)
     if os.environ.get(RECORD_ENV) == "1":
         RESULTS.write_text(json.dumps(found, indent=1) + "\n")
     recorded = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}

@@ -119,3 +119,19 @@ def test_copies_by_other_threads_during_the_dry_run_are_not_intercepted() -> Non
     thread.join(30)
     assert copied == [True] * 20, "another thread's copies were swallowed by the dry run"
     assert targets == {"w": PatchTarget("w", 0)} and not model.w.any()
+
+
+def test_gpt_oss_stacks_and_sinks_are_refused_for_a_server_that_runs_vllms_own_loader() -> None:
+    """A server on vLLM's own weight-transfer backend (NCCL) runs gpt-oss's loader unfixed, and its model cannot be
+    run dry from the trainer: its sinks and expert stacks are refused by name, nothing else, and no other model."""
+    from fsdp_sync.compat.vllm_patches import unfixed_reload_gaps
+
+    layer = "model.layers.3"
+    refused = [f"{layer}.self_attn.sinks"] + [
+        f"{layer}.mlp.experts.{leaf}" for leaf in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+    ]
+    kept = [f"{layer}.self_attn.q_proj.weight", f"{layer}.mlp.router.weight", "model.embed_tokens.weight"]
+    gaps = unfixed_reload_gaps(["GptOssForCausalLM"], refused + kept)
+    assert gaps.keys() == set(refused)
+    assert all("weight-transfer-config" in reason for reason in gaps.values())
+    assert unfixed_reload_gaps(["LlamaForCausalLM"], refused + kept) == {}
