@@ -430,9 +430,10 @@ class WeightSync:
             rounds.fail("push", IncompleteSyncError(f"{writer.kind} stopped {leftover} tensor(s) before the end"))
         if sparse is not None and sparse.patches and rounds.error is None and not rounds.stopped and writer.pushes:
             try:
+                fault_point("write.patches")
                 writer.write_patches(sparse.patches)
             except Exception as e:
-                engine = e.engine if isinstance(e, SyncError) and e.engine is not None else EngineState("undefined")
+                engine = e.engine if isinstance(e, SyncError) and e.engine is not None else _unpatched(selection)
                 rounds.fail("push", e)
         if rounds.error is None and not rounds.stopped and writer.pushes:
             try:
@@ -479,11 +480,21 @@ class WeightSync:
         assert tracker is not None and delta is not None
 
         def work() -> dict[str, Patch]:
-            fault_point("check")
+            fault_point("sparse.diff")
             return tracker.diff(selection.tensors)
 
-        local = self._agreed("check", work, lambda error, failures: agreed_error(error, failures, self._unchanged()))
-        return tracker.round(selection.tensors, local, delta)
+        local = self._agreed("patch", work, lambda error, failures: agreed_error(error, failures, self._unchanged()))
+        rounds = Rounds(self.coordinator)
+        try:
+            sparse = tracker.round(selection.tensors, local, delta, rounds)
+            failures = self.coordinator.agree_on(rounds.stage or "patch", rounds.error)
+        except SyncError as e:
+            e.engine = e.engine or self._unchanged()
+            raise
+        if failures:
+            raise agreed_error(rounds.error, failures, self._unchanged())
+        assert sparse is not None
+        return sparse
 
     def _whole(self, selection: Selection, sparse: SparseRound) -> Selection:
         """The part of a sparse sync sent whole; with `verify`, the patched tensors are gathered too (their digests)."""
@@ -599,6 +610,14 @@ class WeightSync:
             snapshot_seconds=snapshot_seconds,
             patch_seconds=patch_seconds,
         )
+
+
+def _unpatched(whole: Selection) -> EngineState:
+    """The engine after a sparse sync whose patches failed without the writer's account: the tensors sent whole
+    hold their new values, the patched ones their previous or new ones (patches are written element by element)."""
+    if not whole.tensors:
+        return EngineState("unchanged", note="the sync's patches were not written")
+    return EngineState("mixed", note="the tensors sent whole hold their new values, the patched ones old or new ones")
 
 
 def _only(stream: Iterator[tuple[str, torch.Tensor]], names: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
