@@ -44,6 +44,8 @@ FAULT_POINTS: dict[str, FaultPoint] = {
                        "unchanged"),
     "check": FaultPoint("check", "the local checks before any gather (the delta fingerprints, check_finite)",
                         "unchanged"),
+    "agree.exchange": FaultPoint("agree", "inside the control collective that shares what each rank found (the "
+                                 "delta selection), after every rank entered it", "unchanged"),
     "sparse.diff": FaultPoint("patch", "this rank's pieces diffed against its snapshot (sparse syncs)", "unchanged"),
     "sparse.count": FaultPoint("patch", "this rank's change counts, before the ranks exchange them", "unchanged"),
     "sparse.pack": FaultPoint("patch", "what goes whole decided, this rank's patches encoded, before the patch "
@@ -63,6 +65,8 @@ FAULT_POINTS: dict[str, FaultPoint] = {
     "write.patches": FaultPoint("push", "the engine taking the patches of a sparse sync (colocate: vLLM's patch "
                                 "loader; server: the sparse round)", "previous or new"),
     "write.finish": FaultPoint("push", "after a complete push (the prefix-cache reset, the server's answer)", "new"),
+    "agree.outcome": FaultPoint("agree", "inside the control collective on a stage's outcome (here the push's), after "
+                                "every rank entered it", "new"),
     "verify": FaultPoint("verify", "reading the engine's digests back (SyncConfig.verify)", "new"),
 }  # fmt: skip
 

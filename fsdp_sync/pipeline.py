@@ -270,7 +270,11 @@ class WeightSync:
         failure = own_failure("check", error)
         sparse_ready = self._sparse is not None and self._sparse.ready
         state = (structure, primed, changed, failure, sparse_ready)
-        states = self.coordinator.exchange(state)
+        try:
+            states = self.coordinator.exchange(state)
+        except SyncError as e:
+            e.engine = e.engine or self._unchanged()
+            raise
         failures = [s[3] for s in states if s[3] is not None]  # type: ignore[index]
         if failures:
             raise agreed_error(error, failures, self._unchanged())
@@ -443,8 +447,8 @@ class WeightSync:
                 rounds.fail("push", e)
         try:
             failures = self.coordinator.agree_on(rounds.stage or "push", rounds.error)
-        except SyncTimeoutError as e:
-            e.engine = engine
+        except SyncError as e:
+            e.engine = e.engine or engine
             raise
         if failures:
             raise agreed_error(rounds.error, failures, engine)
@@ -547,6 +551,7 @@ class WeightSync:
                 sent with `check_finite`; `VerifyError` with `verify` when the engine differs from what was sent;
                 `SyncTimeoutError` when a rank does not arrive in time.
         """
+        self.coordinator.reopen()
         plan = self.plan()
         if self.config.check_finite:
             self._check_finite(plan)
