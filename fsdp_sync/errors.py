@@ -58,6 +58,9 @@ class EngineState:
             new value, none is undefined; `previous` lists those still holding the previous one where the engine
             lets the writer see it. `"undefined"`: some weights may hold neither: those loaded from the checkpoint
             tensors in `undefined` where known, else any the push reached (the transport cannot tell).
+            `"replaced"`: the engine holds weights this trainer did not send (its weight version says so: a
+            restarted server holds its checkpoint). `"unknown"`: the engine could not be asked (a server that does
+            not answer); `note` says what it holds once it answers again.
         previous: engine parameter names that still hold the previous sync's values.
         undefined: checkpoint tensor names whose engine weights hold undefined values.
         note: one sentence on how the writer knows.
@@ -83,6 +86,10 @@ class EngineState:
                 text = "holds exactly the previous sync's weights (nothing of this sync reached it)"
             case "mixed":
                 text = "holds a mix of previous and new weights, none undefined"
+            case "replaced":
+                text = "holds weights this trainer did not send"
+            case "unknown":
+                text = "could not be asked what it holds"
             case _:
                 text = "may hold values that are neither the previous nor the new ones"
         if self.undefined:

@@ -33,6 +33,7 @@ from fsdp_sync.compat.vllm_patches import quiet_partial_reload, refresh_tied_cpu
 
 from ..errors import EngineState, StreamInterrupted, SyncError
 from ..verify import tensor_bytes
+from ..versions import ColocateVersions
 
 __all__ = ["ColocateWriter", "EnginePushError"]
 
@@ -64,6 +65,7 @@ class ColocateWriter:
         self.checkpoint_dir = checkpoint_dir or self.handle.model_path
         self.wake_up_first = wake_up_first
         self._patcher = EnginePatcher(self.handle.model)
+        self._versions = ColocateVersions(llm)
 
     def manifest(self) -> EngineManifest:
         return read_checkpoint_manifest(self.checkpoint_dir, engine_dtype=self.engine_dtype)
@@ -146,6 +148,12 @@ class ColocateWriter:
 
     def finish(self) -> None:
         reset_prefix_cache(self.handle.llm)
+
+    def replaced(self) -> str | None:
+        return self._versions.replaced()
+
+    def stamp(self, version: str) -> None:
+        self._versions.stamp(version)
 
     def engine_layout(self) -> EngineLayout:
         model = self.handle.model
