@@ -181,8 +181,8 @@ class FSDPVLLMSyncMixin:
         """Make the next weight sync send every weight whole (complete, and dense with `SyncConfig(sparse=True)`).
 
         For after the engine's weights were changed outside this trainer where the engine cannot say so itself: a
-        checkpoint loaded into it, or a restart on a vLLM without weight versions (vLLM >= 0.32 stamps one with
-        every push, and the next delta or sparse sync notices a restart by itself; docs/failures.md). Any rank may
+        checkpoint loaded into it, or a restart of an engine without weight versions (where vLLM keeps one, every
+        push stamps it and the next delta or sparse sync notices a restart by itself; docs/failures.md). Any rank may
         call it: the ranks agree at the next sync. Before the first sync it changes nothing (that one is complete).
         """
         if self._fvs_sync is not None:

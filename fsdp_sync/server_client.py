@@ -153,7 +153,7 @@ class ServerClient(HTTPVLLMWeightSyncClient):
             timeout: the bound on this request (default: the client's).
 
         Raises:
-            ServerRouteMissing: the server's vLLM has no weight versions (older than 0.32).
+            ServerRouteMissing: the server has no weight versions (the route came with vLLM's weight-transfer API).
             ServerRequestError: the server's data-parallel engines disagree (vLLM raises), or another error answer.
         """
         return str(self._request("GET", "weight_info", timeout=timeout)["weight_version"])

@@ -297,7 +297,10 @@ def pack_patches(
         order,
         low.view(torch.float16),
         torch.cat(blocks) if blocks else torch.empty(0, dtype=torch.int32, device=device),
-        {kind: torch.cat(parts) if parts else torch.empty(0, dtype=kind, device=device) for kind, parts in values.items()},
+        {
+            kind: torch.cat(parts) if parts else torch.empty(0, dtype=kind, device=device)
+            for kind, parts in values.items()
+        },
     )
 
 

@@ -272,7 +272,8 @@ class SparseTracker:
         whole = delta.widen(dense_seed) if dense_seed else frozenset()
         sparse_names = [n for n in names if n not in whole]
         dtypes = [self._wire_dtype(self.tensors[n]) for n in sparse_names]
-        packed = pack_patches(sparse_names, local, dtypes, [numels[n] for n in sparse_names], counts.subset(sparse_names))
+        sizes = [numels[n] for n in sparse_names]
+        packed = pack_patches(sparse_names, local, dtypes, sizes, counts.subset(sparse_names))
         plan = SparseRound(
             dense=tuple(t for t in selected if t.name in whole),
             patches=(),

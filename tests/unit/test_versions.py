@@ -17,7 +17,7 @@ from .test_reconnect import _served
 
 
 class VersionedLLM:
-    """The weight-version surface of vLLM 0.32's `LLM` (`get_weight_version`, `update_weight_version`)."""
+    """The weight-version surface of vLLM's `LLM` (`get_weight_version`, `update_weight_version`)."""
 
     def __init__(self) -> None:
         self.version = CHECKPOINT_VERSION
@@ -51,7 +51,8 @@ def test_an_engine_whose_version_moved_says_both_versions_and_what_it_holds() ->
 
 
 def test_an_engine_without_versions_is_said_once_and_changes_nothing(caplog) -> None:
-    """vLLM before 0.32: no `get_weight_version`; nothing is stamped or checked (today's behaviour), logged once."""
+    """An engine without `get_weight_version`: nothing is stamped or checked (the behaviour before weight versions),
+    logged once."""
     with caplog.at_level("WARNING"):
         versions = ColocateVersions(object())
         versions.stamp("fsdp-vllm-sync:run:1")
