@@ -168,7 +168,7 @@ def test_every_sparse_fault_point(backend: str, world: int, server_mode: bool, c
     if server_mode:
         server: VLLMServerProcess = request.getfixturevalue("server")
         args += ["--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port())]
-    steps = 2 + len(SPARSE)
+    steps = 3 + len(SPARSE)  # one sparse sync after the last fault's retry
     result = run_grpo(checkpoints("qwen2"), tmp_path, backend, "--sparse", "--lr", SPARSE_LR, "--steps", str(steps),
                       *args, ranks=world)  # fmt: skip
     timings = _check_faults(result, faults, backend, world)
