@@ -40,7 +40,6 @@ from ..versions import ServerVersions
 from ..server_client import (
     ServerClient,
     ServerConfigError,
-    ServerNoAnswerError,
     ServerRequestError,
     ServerRouteMissing,
     ServerUnavailableError,
@@ -307,13 +306,16 @@ class ServerWriter:
         transfer to the previous server process is dropped: the next push sets it up again.
 
         Raises:
-            ServerUnavailableError: the server cannot be reached or did not answer.
+            ServerUnavailableError: the server cannot be reached or did not answer; the transfer is dropped too (the
+                server that answers next may be another process, and the sync after a failed one is complete, so
+                it reads no version).
         """
         assert self._versions is not None
         try:
             why = self._versions.replaced()
         except ServerUnavailableError as e:
             e.engine = self._versions.after_failure(e, timeout_s=min(self.timeout_s, _ASK_AFTER_FAILURE_S))
+            self._drop_transfer()
             raise
         if why is not None:
             self._drop_transfer()

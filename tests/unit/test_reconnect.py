@@ -9,7 +9,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -214,3 +213,25 @@ def test_a_server_without_weight_versions_keeps_delta_syncs_and_says_so_once(tmp
         reports = [sync.sync() for _ in range(3)]
     assert [r.complete for r in reports] == [True, False, False]
     assert caplog.text.count("keeps no weight version") == 1, caplog.text
+
+
+def test_a_server_killed_between_syncs_costs_one_failed_sync_and_the_next_connects_again(tmp_path: Path) -> None:
+    """The server is gone when a delta sync starts (its weight version cannot be read: the sync fails before
+    anything is sent) and back, restarted, before the next: that one is complete (as after any failed sync, so it
+    reads no version) and must not push into the transfer to the dead process (regression: it did, and failed
+    with "Connection closed by peer")."""
+    sync, server, _ = _served(tmp_path, SyncConfig(delta=True, delta_check=False))
+    sync.sync()
+
+    def unreachable(timeout: float | None = None) -> str:
+        raise ServerUnavailableError(f"the vLLM server at {server.base_url} cannot be reached (GET /weight_info)")
+
+    server.weight_version = unreachable  # type: ignore[method-assign]
+    with pytest.raises(SyncError, match="cannot be reached") as failed:
+        sync.sync()
+    assert failed.value.engine is not None and failed.value.engine.status == "unknown"
+    del server.weight_version
+    server.restart()
+    server.loaded.clear()
+    assert sync.sync().complete
+    assert set(_sent(server)) == {"b.weight", "a.index"}
