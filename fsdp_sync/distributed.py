@@ -245,6 +245,8 @@ class Coordinator:
             if own is not None:
                 store.set(_failure_key(self.timeout_s, groups.generation, rank()), pickle.dumps(own))
         except Exception as e:  # noqa: BLE001 - no store: the ranks can no longer tell why the collective failed
+            # Marked aborted all the same: a coordinator built later rebuilds the groups rather than use these.
+            groups.aborted = [RankFailure(rank(), "agree", f"{type(error).__name__}: {error}")]
             _destroy(groups)
             self._broken = f"{type(error).__name__}: {error}; the training world's store: {type(e).__name__}: {e}"
             return SyncTimeoutError(

@@ -131,10 +131,16 @@ class ServerVersions(_Versions):
             raise _Unsupported from e
 
     def replaced(self) -> str | None:
+        from .server_client import ServerRequestError
+
         try:
             return super().replaced()
         except _Unsupported:
             return None
+        except ServerRequestError as e:
+            # NOTE: vLLM raises when its data-parallel engines hold different versions (`call_utility_consensus`):
+            # then no single push is what the server holds.
+            return f"the server could not give one weight version ({e}): its engines do not hold the same weights"
 
     def _write(self, version: str) -> None:
         from .server_client import ServerRouteMissing
