@@ -14,6 +14,7 @@ import datetime
 import logging
 import pickle
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -21,7 +22,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from .errors import RankFailure, SyncError, SyncTimeoutError
+from .errors import RankFailure, SyncError, SyncTimeoutError, agreed_error, describe_failures
+from .faults import fault_point
 
 __all__ = ["Coordinator", "Rounds", "distributed", "free_port", "own_failure", "rank", "world_size"]
 
@@ -54,20 +56,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# One group per (training world, timeout, purpose): creating a group is itself a collective, so every WeightSync
+# One pair of groups per (training world, timeout): creating a group is itself a collective, so every WeightSync
 # built at the same point on every rank gets the same groups, and repeated builds (`iter_full_weights`) create none.
-_GROUPS: dict[tuple[int, float, str], dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[int, float], _ControlGroups] = {}
+# Where a rank that aborts the control groups leaves its failure for the others (in the training world's store).
+_STORE_PREFIX = "fsdp_vllm_sync/control"
 
 
-def _control_group(timeout_s: float, purpose: str = "agree") -> dist.ProcessGroup:
-    key = (id(dist.group.WORLD), timeout_s, purpose)
-    group = _GROUPS.get(key)
-    if group is None:
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        if not _GROUPS:
-            atexit.register(_destroy_control_groups)
-        _GROUPS[key] = group
-    return group
+@dataclass
+class _ControlGroups:
+    """The sync's two gloo groups for one training world and timeout.
+
+    Attributes:
+        agree: the agreements (`Coordinator.agree`, `exchange`).
+        rounds: the status rounds (a round that times out breaks only this group; the agreement that follows still
+            names the ranks that did not arrive).
+        generation: how many times the groups were rebuilt (the same on every rank: they are rebuilt together).
+        aborted: once a rank failed inside a control collective: every failure known here (the groups are
+            destroyed, every control collective raises until `Coordinator.reopen` rebuilds them).
+    """
+
+    agree: dist.ProcessGroup | None
+    rounds: dist.ProcessGroup | None
+    generation: int = 0
+    aborted: list[RankFailure] | None = None
+
+
+def _open_control_groups(timeout_s: float, generation: int = 0) -> _ControlGroups:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups = _ControlGroups(
+        dist.new_group(backend="gloo", timeout=timeout),
+        dist.new_group(backend="gloo", timeout=timeout),
+        generation,
+    )
+    if not _GROUPS:
+        atexit.register(_destroy_control_groups)
+    _GROUPS[(id(dist.group.WORLD), timeout_s)] = groups
+    return groups
+
+
+def _destroy(groups: _ControlGroups) -> None:
+    """Destroy both groups now. NOTE: gloo has no abort (`ProcessGroupGloo.abort` and `shutdown` leave its
+    connections open: measured); a group's connections close when the group object goes, so torch's registry and
+    every reference this module holds are dropped here (a failed collective's traceback holds `groups`, not the
+    groups themselves), and the peers inside a collective of it see the connection close at once."""
+    for group in (groups.agree, groups.rounds):
+        if group is None:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - already destroyed (at exit), or no world left
+            logger.debug("fsdp-vllm-sync: could not destroy a control group: %s", e)
+    groups.agree = groups.rounds = None
 
 
 def _destroy_control_groups() -> None:
@@ -75,13 +115,25 @@ def _destroy_control_groups() -> None:
     destroyed them. NOTE: a gloo group left to interpreter finalisation can abort the process (its worker threads
     release Python-owned tensors after the interpreter is gone: pytorch/pytorch#179291); training scripts often
     end without `destroy_process_group`, and this module's group should not add that risk."""
-    for group in list(_GROUPS.values()):
-        try:
-            if distributed():
-                dist.destroy_process_group(group)
-        except Exception as e:  # noqa: BLE001 - at exit (destroyed already, or no world left): report, never raise
-            logger.debug("fsdp-vllm-sync: could not destroy the sync's control group at exit: %s", e)
+    for groups in list(_GROUPS.values()):
+        if distributed() and groups.aborted is None:
+            _destroy(groups)
     _GROUPS.clear()
+
+
+def _world_store() -> dist.Store | None:
+    """The training world's store, where a rank that aborts the control groups says why (None: not reachable)."""
+    # NOTE: `_get_default_store` is private, but it is the store every rank of the training world already shares;
+    # without it the others still fail at once (the connections close), only without the failing rank's message.
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if get is not None else None
+    except Exception:  # noqa: BLE001 - no default store (a world built without one)
+        return None
+
+
+def _failure_key(timeout_s: float, generation: int, who: int) -> str:
+    return f"{_STORE_PREFIX}/{timeout_s:g}/{generation}/failed/{who}"
 
 
 @dataclass(frozen=True)
@@ -103,7 +155,14 @@ class _Unsendable:
 class Coordinator:
     """Agrees with every rank on whether a stage of the sync failed, within `timeout_s`.
 
-    Must be created at the same point on every rank (it creates a process group) and used at the same points.
+    Must be created at the same point on every rank (it creates process groups) and used at the same points.
+
+    A rank that fails inside a control collective (its own error there, not a timeout) leaves its failure in the
+    training world's store and destroys the control groups: the others, inside the same collective, see the
+    connection close at once, read why, and destroy theirs too; every rank raises a `SyncError` naming the
+    failing rank, and the groups are rebuilt at the start of the next sync (`reopen`), on every rank together. A
+    timeout cannot be recovered that way (the rank that did not arrive is hung or dead, and rebuilding a group is a
+    collective of every rank of the training world): the ranks raise `SyncTimeoutError` and the job must restart.
 
     Args:
         timeout_s: the bound on each agreement: how long a rank waits for the others to arrive.
@@ -111,11 +170,117 @@ class Coordinator:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self.group = _control_group(timeout_s) if world_size() > 1 else None
-        # NOTE: the status rounds run on a group of their own: a round that times out (a hung rank) breaks only that
-        # group, and the agreement that follows, on `group`, still names the ranks that did not arrive.
-        self.rounds_group = _control_group(timeout_s, "rounds") if world_size() > 1 else None
+        self._groups: _ControlGroups | None = None
         self._broken: str | None = None
+        if world_size() > 1:
+            self.reopen()
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self._groups.agree if self._groups is not None else None
+
+    @property
+    def rounds_group(self) -> dist.ProcessGroup | None:
+        return self._groups.rounds if self._groups is not None else None
+
+    def reopen(self) -> None:
+        """At the start of a sync, on every rank: the control groups, rebuilt where a rank aborted them in an earlier
+        sync (every rank did: they fail together), else the ones already made."""
+        if world_size() == 1:
+            return
+        groups = _GROUPS.get((id(dist.group.WORLD), self.timeout_s))
+        if groups is None:
+            groups = _open_control_groups(self.timeout_s)
+        elif groups.aborted is not None:
+            groups = _open_control_groups(self.timeout_s, groups.generation + 1)
+            logger.warning("weight sync: the sync's control groups were rebuilt after a rank aborted them")
+        self._groups = groups
+
+    def _control(self, work: Callable[[_ControlGroups], _T], failure: RankFailure | None = None) -> _T:
+        """Run `work` (control collectives) on every rank; a rank that raises in it aborts the groups for all.
+
+        Args:
+            failure: this rank's own failure of the stage being agreed on (named in a timeout's error).
+        """
+        groups = self._usable()
+        started = time.monotonic()
+        try:
+            return work(groups)
+        except SyncError:
+            raise
+        except Exception as e:
+            error = e
+        if isinstance(error, RuntimeError) and time.monotonic() - started >= 0.95 * self.timeout_s:
+            raise self._timed_out(error, failure) from error
+        logger.error("weight sync: a control collective raised here", exc_info=error)
+        # NOTE: the failed collective's frames (in its traceback) hold its group, whose connections close only when
+        # it goes; logged above, the error keeps its message.
+        error.__traceback__ = None
+        raise self._abort(groups, error, failure) from error
+
+    def _usable(self) -> _ControlGroups:
+        if self._broken is not None:
+            raise SyncTimeoutError(
+                f"A previous weight sync timed out ({self._broken}); the ranks can no longer agree: a rank that does "
+                "not arrive is hung or dead, and the sync's groups cannot be rebuilt without every rank of the "
+                "training world taking part. Restart the job."
+            )
+        assert self._groups is not None
+        if self._groups.aborted is not None:
+            raise self._aborted_error(self._groups.aborted, None)
+        return self._groups
+
+    def _abort(self, groups: _ControlGroups, error: Exception, failure: RankFailure | None) -> SyncError:
+        """This rank saw a control collective fail (not a timeout): when another rank aborted it, that rank's failure
+        is in the training world's store; otherwise the failure is this rank's own, and it leaves it there for the
+        others. Either way the groups are destroyed here (so every rank still inside one of their collectives fails
+        at once) and rebuilt at the next sync. Without that store (a rank died: rank 0 hosts it) the ranks cannot
+        tell a failed rank from a dead one, and the error is final (`SyncTimeoutError`)."""
+        store = _world_store()
+        try:
+            if store is None:
+                raise RuntimeError("this training world has no store the ranks share")
+            failures = self._peer_failures(store, groups)
+            own = None if failures else RankFailure(rank(), "agree", f"{type(error).__name__}: {error}")
+            if own is not None:
+                store.set(_failure_key(self.timeout_s, groups.generation, rank()), pickle.dumps(own))
+        except Exception as e:  # noqa: BLE001 - no store: the ranks can no longer tell why the collective failed
+            # Marked aborted all the same: a coordinator built later rebuilds the groups rather than use these.
+            groups.aborted = [RankFailure(rank(), "agree", f"{type(error).__name__}: {error}")]
+            _destroy(groups)
+            self._broken = f"{type(error).__name__}: {error}; the training world's store: {type(e).__name__}: {e}"
+            return SyncTimeoutError(
+                f"A control collective of this weight sync failed on rank {rank()} ({type(error).__name__}: "
+                f"{str(error).rstrip('.! ')}), and the training world's store cannot be reached to learn why "
+                f"({type(e).__name__}: {e}): a rank has died (rank 0 hosts the store). The sync's groups cannot be "
+                "rebuilt without every rank of the training world taking part. Restart the job.",
+                failures=(failure,) if failure is not None else (),
+            )
+        groups.aborted = [own] if own is not None else failures
+        _destroy(groups)
+        logger.error("weight sync: the sync's control groups were aborted: %s", describe_failures(groups.aborted))
+        return self._aborted_error(groups.aborted, error if own is not None else None)
+
+    def _peer_failures(self, store: dist.Store, groups: _ControlGroups) -> list[RankFailure]:
+        """The failures other ranks left when they aborted the groups of this generation (raises where the store
+        cannot be reached)."""
+        found: list[RankFailure] = []
+        for other in range(world_size()):
+            key = _failure_key(self.timeout_s, groups.generation, other)
+            if other != rank() and store.check([key]):
+                found.append(pickle.loads(store.get(key)))
+        return found
+
+    def _aborted_error(self, failures: list[RankFailure], local: Exception | None) -> SyncError:
+        """The error of an aborted agreement: this rank's own (`SyncStageError`) or `RemoteSyncError`; the caller
+        sets `engine` (what each engine holds is the push's account, none of it changed by the agreement)."""
+        return agreed_error(
+            local,
+            failures,
+            None,
+            how="It failed inside the sync's agreement between ranks and aborted it, so every rank stopped at once; "
+            "the sync's control groups are rebuilt at the start of the next sync.",
+        )
 
     def exchange(self, item: object) -> list[object]:
         """Every rank's `item`, on every rank, in rank order (bounded like `agree`; a small object per rank).
@@ -123,22 +288,25 @@ class Coordinator:
         Raises:
             SyncError: on every rank, when a rank's item cannot be pickled (that rank still takes part, so no rank
                 waits for one that left).
+            SyncError: a rank failed inside the exchange (it raises `SyncStageError`, the others `RemoteSyncError`).
             SyncTimeoutError: as `agree`.
         """
-        if self.group is None:
+        if world_size() == 1:
             return [item]
-        self._check_usable()
         try:
             pickle.dumps(item)
         except Exception as e:  # noqa: BLE001 - any pickling error: the other ranks must still get an answer
             item = _Unsendable(f"{type(item).__name__} cannot be pickled ({type(e).__name__}: {e})")
-        try:
+
+        def work(groups: _ControlGroups) -> list[object]:
             timeout = datetime.timedelta(seconds=self.timeout_s)
-            dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
-            gathered: list[object] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(gathered, item, group=self.group)
-        except RuntimeError as e:
-            raise self._timed_out(e, None) from e
+            dist.monitored_barrier(group=groups.agree, timeout=timeout, wait_all_ranks=True)
+            fault_point("agree.exchange")
+            gathered: list[object] = [None] * dist.get_world_size(groups.agree)
+            dist.all_gather_object(gathered, item, group=groups.agree)
+            return gathered
+
+        gathered = self._control(work)
         unsendable = [f"rank {r}: {g.reason}" for r, g in enumerate(gathered) if isinstance(g, _Unsendable)]
         if unsendable:
             raise SyncError(
@@ -151,12 +319,6 @@ class Coordinator:
         """Rank 0's `item`, on every rank (bounded like `agree`)."""
         return self.exchange(item)[0]
 
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise SyncTimeoutError(
-                f"A previous weight sync timed out ({self._broken}); the ranks can no longer agree. Restart the job."
-            )
-
     def _timed_out(self, e: RuntimeError, failure: RankFailure | None) -> SyncTimeoutError:
         self._broken = f"{type(e).__name__}: {e}"
         own = f" This rank had failed itself: {failure.describe()}." if failure is not None else ""
@@ -164,7 +326,8 @@ class Coordinator:
             f"Not every rank reached the end of this weight sync stage within {self.timeout_s:g} s "
             f"(SyncConfig.sync_timeout_s) on rank {rank()}: {str(e).rstrip('.! ')}.{own} A rank that does not arrive "
             "is hung (look for a rank still inside its engine push or a collective) or has died; the ranks cannot "
-            "run collectives together any more. Restart the job.",
+            "run collectives together any more, and the sync's groups cannot be rebuilt without every rank of the "
+            "training world taking part. Restart the job.",
             failures=(failure,) if failure is not None else (),
         )
 
@@ -176,18 +339,19 @@ class Coordinator:
 
         Raises:
             SyncTimeoutError: a rank did not arrive within `timeout_s`, or an earlier agreement timed out.
+            SyncError: a rank aborted the control groups.
         """
         return self.finish_round(self.start_round(failed))
 
     def start_round(self, failed: bool) -> _Round:
         """Start a status round without waiting for it (`finish_round` waits), so that it travels while the caller
         waits for something else (a unit's all-gather)."""
-        if self.rounds_group is None:
+        if world_size() == 1:
             return _Round(None, torch.tensor([int(failed)], dtype=torch.uint8), (rank(),))
-        self._check_usable()
-        flags = torch.zeros(dist.get_world_size(self.rounds_group), dtype=torch.uint8)
+        groups = self._usable()
+        flags = torch.zeros(dist.get_world_size(groups.rounds), dtype=torch.uint8)
         mine = torch.tensor([int(failed)], dtype=torch.uint8)
-        work = dist.all_gather_into_tensor(flags, mine, group=self.rounds_group, async_op=True)
+        work = dist.all_gather_into_tensor(flags, mine, group=groups.rounds, async_op=True)
         return _Round(work, flags, ())
 
     def finish_round(self, started: _Round) -> tuple[int, ...]:
@@ -195,12 +359,25 @@ class Coordinator:
 
         Raises:
             SyncTimeoutError: a rank did not arrive within `timeout_s`.
+            SyncError: a rank aborted the control groups while this one waited.
         """
         if started.work is None:
             return started.ranks if started.flags.item() else ()
         try:
             started.work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
+            # NOTE: a round carries this rank's failure in its flag; its collective fails only when a rank aborted
+            # the groups (its failure is in the store) or did not arrive.
+            groups, store = self._groups, _world_store()
+            try:
+                aborted = self._peer_failures(store, groups) if groups is not None and store is not None else []
+            except Exception as lost:  # noqa: BLE001 - no store (a rank died): a timeout, as without an abort
+                logger.warning("weight sync: the training world's store cannot be reached: %s", lost)
+                aborted = []
+            if groups is not None and aborted:
+                groups.aborted = aborted
+                _destroy(groups)
+                raise self._aborted_error(aborted, None) from e
             raise SyncTimeoutError(
                 f"Not every rank reached a status round of this weight sync within {self.timeout_s:g} s "
                 f"(SyncConfig.sync_timeout_s) on rank {rank()}: {str(e).rstrip('.! ')}."
@@ -220,24 +397,26 @@ class Coordinator:
         Raises:
             SyncTimeoutError: a rank did not arrive within `timeout_s` (it is hung or dead), or a previous agreement
                 timed out (the ranks cannot agree any more).
+            SyncError: a rank failed inside the agreement (it raises `SyncStageError`, the others `RemoteSyncError`).
         """
-        if self.group is None:
+        if world_size() == 1:
             return [failure] if failure is not None else []
-        self._check_usable()
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        try:
+
+        def work(groups: _ControlGroups) -> list[RankFailure]:
+            timeout = datetime.timedelta(seconds=self.timeout_s)
             # NOTE: gloo's monitored barrier names the ranks that did not arrive (on rank 0; the others learn that
             # rank 0 gave up); a plain all-reduce would only time out.
-            dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
+            dist.monitored_barrier(group=groups.agree, timeout=timeout, wait_all_ranks=True)
+            fault_point("agree.outcome")
             flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.agree)
             if not flag.item():
                 return []
-            gathered: list[RankFailure | None] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(gathered, failure, group=self.group)
-        except RuntimeError as e:
-            raise self._timed_out(e, failure) from e
-        return [f for f in gathered if f is not None]
+            gathered: list[RankFailure | None] = [None] * dist.get_world_size(groups.agree)
+            dist.all_gather_object(gathered, failure, group=groups.agree)
+            return [f for f in gathered if f is not None]
+
+        return self._control(work, failure)
 
 
 class Rounds:

@@ -34,9 +34,10 @@ class RankFailure:
     Attributes:
         stage: where, in the order a sync runs them: `build` (the sync's first construction), `plan` (names and
             manifest, before anything is gathered), `check` (the non-finite or delta check of the local shards),
-            `gather` (this rank's part of the all-gathers), `map`, `merge`, `cast` (turning a gathered tensor into
-            the engine's), `push` (the engine or the transport), `verify` (the optional read-back of the engine's
-            digests). docs/failures.md lists the fault points of each.
+            `agree` (inside a control collective of the sync's agreement between ranks), `patch` (the sparse round:
+            diff, counts, patches), `gather` (this rank's part of the all-gathers), `map`, `merge`, `cast` (turning a
+            gathered tensor into the engine's), `push` (the engine or the transport), `verify` (the optional
+            read-back of the engine's digests). docs/failures.md lists the fault points of each.
     """
 
     rank: int
@@ -57,6 +58,9 @@ class EngineState:
             new value, none is undefined; `previous` lists those still holding the previous one where the engine
             lets the writer see it. `"undefined"`: some weights may hold neither: those loaded from the checkpoint
             tensors in `undefined` where known, else any the push reached (the transport cannot tell).
+            `"replaced"`: the engine holds weights this trainer did not send (its weight version says so: a
+            restarted server holds its checkpoint). `"unknown"`: the engine could not be asked (a server that does
+            not answer); `note` says what it holds once it answers again.
         previous: engine parameter names that still hold the previous sync's values.
         undefined: checkpoint tensor names whose engine weights hold undefined values.
         note: one sentence on how the writer knows.
@@ -82,6 +86,10 @@ class EngineState:
                 text = "holds exactly the previous sync's weights (nothing of this sync reached it)"
             case "mixed":
                 text = "holds a mix of previous and new weights, none undefined"
+            case "replaced":
+                text = "holds weights this trainer did not send"
+            case "unknown":
+                text = "could not be asked what it holds"
             case _:
                 text = "may hold values that are neither the previous nor the new ones"
         if self.undefined:
@@ -147,13 +155,21 @@ def describe_failures(failures: list[RankFailure]) -> str:
     return "; ".join(f.describe() for f in failures)
 
 
-def agreed_error(local: Exception | None, failures: list[RankFailure], engine: EngineState | None) -> SyncError:
+def agreed_error(
+    local: Exception | None, failures: list[RankFailure], engine: EngineState | None, *, how: str = ""
+) -> SyncError:
     """The one error every rank raises after a failed stage: this rank's own (its type kept where it is a
     `SyncError`; chained to it) or `RemoteSyncError`, naming every failing rank, stage and error, and saying what
-    this rank's engine holds and what happens next."""
+    this rank's engine holds and what happens next.
+
+    Args:
+        how: how the ranks stopped, where not at a status round (said in place of the usual sentence).
+    """
     state = f" This rank's engine {engine.describe()}." if engine is not None else ""
     parts = [f"The weight sync failed on {describe_failures(failures)}.{state}"]
-    if local is None:
+    if how:
+        parts.append(how)
+    elif local is None:
         parts.append("This rank did its part of every gather and stopped with the others.")
     parts.append("The next sync sends every weight.")
     message = " ".join(p for p in parts if p)

@@ -44,6 +44,13 @@ FAULT_POINTS: dict[str, FaultPoint] = {
                        "unchanged"),
     "check": FaultPoint("check", "the local checks before any gather (the delta fingerprints, check_finite)",
                         "unchanged"),
+    "agree.exchange": FaultPoint("agree", "inside the control collective that shares what each rank found (the "
+                                 "delta selection), after every rank entered it", "unchanged"),
+    "sparse.diff": FaultPoint("patch", "this rank's pieces diffed against its snapshot (sparse syncs)", "unchanged"),
+    "sparse.count": FaultPoint("patch", "this rank's change counts, before the ranks exchange them", "unchanged"),
+    "sparse.pack": FaultPoint("patch", "what goes whole decided, this rank's patches encoded, before the patch "
+                              "gathers", "unchanged"),
+    "sparse.unpack": FaultPoint("patch", "the gathered patches decoded (the ranks that push them)", "unchanged"),
     "gather.prepare": FaultPoint("gather", "this rank's shard of one unit: read, moved, cast, output allocated",
                                  "previous or new"),
     "gather.launch": FaultPoint("gather", "the call that starts one unit's all-gather (after every rank's shard was "
@@ -55,7 +62,11 @@ FAULT_POINTS: dict[str, FaultPoint] = {
     "stream.cast": FaultPoint("cast", "the layout conversion and the cast to the engine's dtype", "previous or new"),
     "write": FaultPoint("push", "the engine or the transport taking one tensor (colocate: the in-place reload; "
                         "server: the send)", "previous or new"),
+    "write.patches": FaultPoint("push", "the engine taking the patches of a sparse sync (colocate: vLLM's patch "
+                                "loader; server: the sparse round)", "previous or new"),
     "write.finish": FaultPoint("push", "after a complete push (the prefix-cache reset, the server's answer)", "new"),
+    "agree.outcome": FaultPoint("agree", "inside the control collective on a stage's outcome (here the push's), after "
+                                "every rank entered it", "new"),
     "verify": FaultPoint("verify", "reading the engine's digests back (SyncConfig.verify)", "new"),
 }  # fmt: skip
 

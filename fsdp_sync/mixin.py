@@ -197,6 +197,17 @@ class FSDPVLLMSyncMixin:
             raise agreed_error(error, failures, EngineState("unchanged") if self._fvs_target is not None else None)
         self._fvs_sync, self._fvs_model, self._fvs_backend = sync, model, backend
 
+    def resync(self) -> None:
+        """Make the next weight sync send every weight whole (complete, and dense with `SyncConfig(sparse=True)`).
+
+        For after the engine's weights were changed outside this trainer where the engine cannot say so itself: a
+        checkpoint loaded into it, or a restart of an engine without weight versions (where vLLM keeps one, every
+        push stamps it and the next delta or sparse sync notices a restart by itself; docs/failures.md). Any rank may
+        call it: the ranks agree at the next sync. Before the first sync it changes nothing (that one is complete).
+        """
+        if self._fvs_sync is not None:
+            self._fvs_sync.resync()
+
     @property
     def engine_is_current(self) -> bool:
         """False after a failed sync until a sync succeeds: the engine may hold a mix of previous and new weights

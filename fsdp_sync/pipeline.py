@@ -47,7 +47,8 @@ from .sparse import Patch
 from .sparse_sync import SparseRound, SparseTracker, patchable_tensors
 from .stream import IncompleteSyncError, StreamPass, SyncPlan, WeightStream
 from .verify import EngineDigests, VerifyResult
-from .writers.base import EngineWriter
+from .versions import VersionStamps
+from .writers.base import BoundedWriter, EngineWriter, VersionedWriter
 
 __all__ = ["WeightSync"]
 
@@ -100,6 +101,12 @@ class WeightSync:
             gatherer, rules=rules, layout=layout, merge=merge, dtype=writer.engine_dtype, meter=self.meter, uncast=uncast
         )
         self.coordinator = Coordinator(self.config.sync_timeout_s)
+        # Decided once: whether the engine keeps weight versions (stamped after every push, checked before every
+        # delta or sparse sync: `fsdp_sync.versions`), and whether the writer has waits outside this process to
+        # bound by the sync's deadline (a server).
+        self._versioned = writer if writer.pushes and isinstance(writer, VersionedWriter) else None
+        self._bounded = writer if writer.pushes and isinstance(writer, BoundedWriter) else None
+        self._stamps = VersionStamps()
         self._plan: SyncPlan | None = None
         self._digests: EngineDigests | None = None
         self._groups: EngineGroups | None = None
@@ -258,6 +265,7 @@ class WeightSync:
         changed: list[str] = []
         error: Exception | None = None
         structure, primed = "", False
+        replaced: str | None = None
         try:
             fault_point("check")
             trainable = self.gatherer.trainable()
@@ -279,6 +287,8 @@ class WeightSync:
                         "checked delta sync here; delta syncs pay off with several ranks or a server (docs/delta.md)"
                     )
             primed = tracker.primed
+            if primed and self._versioned is not None:
+                replaced = self._versioned.replaced()
             if primed and self.config.delta_check:
                 changed = tracker.changed(self._shards(tracker.watched))
             # NOTE: a stable digest (str hashes differ between processes).
@@ -287,11 +297,17 @@ class WeightSync:
             error = e
         failure = own_failure("check", error)
         sparse_ready = self._sparse is not None and self._sparse.ready
-        state = (structure, primed, changed, failure, sparse_ready)
-        states = self.coordinator.exchange(state)
+        state = (structure, primed, changed, failure, sparse_ready, replaced)
+        try:
+            states = self.coordinator.exchange(state)
+        except SyncError as e:
+            e.engine = e.engine or self._unchanged()
+            raise
         failures = [s[3] for s in states if s[3] is not None]  # type: ignore[index]
         if failures:
-            raise agreed_error(error, failures, self._unchanged())
+            # A writer that could not ask its engine (a server that does not answer) says what it holds.
+            engine = error.engine if isinstance(error, SyncError) and error.engine is not None else self._unchanged()
+            raise agreed_error(error, failures, engine)
         if len({s[0] for s in states}) > 1:  # type: ignore[index]
             raise SyncStageError(
                 "The trainable parameters (requires_grad) differ between ranks; every rank must train the same ones "
@@ -300,7 +316,13 @@ class WeightSync:
         seconds = time.perf_counter() - started
         tracker = self._delta
         assert tracker is not None
-        if not all(s[1] for s in states):  # type: ignore[index]
+        found = [f"rank {r}: {s[5]}" for r, s in enumerate(states) if s[5]]  # type: ignore[index]
+        if found:
+            logger.warning("weight sync: this sync sends every weight whole: %s", "; ".join(found))
+        if found or not all(s[1] for s in states):  # type: ignore[index]
+            # NOTE: on every rank, whichever rank is not primed: a rank whose sparse snapshot survived would diff the
+            # next sync against weights this complete sync replaced (`resync` may have been called on one rank).
+            self.resync()
             return tracker.complete(), seconds, False
         union = sorted({name for s in states for name in s[2]})  # type: ignore[index]
         if union:
@@ -448,20 +470,23 @@ class WeightSync:
             rounds.fail("push", IncompleteSyncError(f"{writer.kind} stopped {leftover} tensor(s) before the end"))
         if sparse is not None and sparse.patches and rounds.error is None and not rounds.stopped and writer.pushes:
             try:
+                fault_point("write.patches")
                 writer.write_patches(sparse.patches)
             except Exception as e:
-                engine = e.engine if isinstance(e, SyncError) and e.engine is not None else EngineState("undefined")
+                engine = e.engine if isinstance(e, SyncError) and e.engine is not None else _unpatched(selection)
                 rounds.fail("push", e)
         if rounds.error is None and not rounds.stopped and writer.pushes:
             try:
                 fault_point("write.finish")
                 writer.finish()
+                if self._versioned is not None:
+                    self._versioned.stamp(self._stamps.next())
             except Exception as e:
                 rounds.fail("push", e)
         try:
             failures = self.coordinator.agree_on(rounds.stage or "push", rounds.error)
-        except SyncTimeoutError as e:
-            e.engine = engine
+        except SyncError as e:
+            e.engine = e.engine or engine
             raise
         if failures:
             raise agreed_error(rounds.error, failures, engine)
@@ -497,11 +522,21 @@ class WeightSync:
         assert tracker is not None and delta is not None
 
         def work() -> dict[str, Patch]:
-            fault_point("check")
+            fault_point("sparse.diff")
             return tracker.diff(selection.tensors)
 
-        local = self._agreed("check", work, lambda error, failures: agreed_error(error, failures, self._unchanged()))
-        return tracker.round(selection.tensors, local, delta)
+        local = self._agreed("patch", work, lambda error, failures: agreed_error(error, failures, self._unchanged()))
+        rounds = Rounds(self.coordinator)
+        try:
+            sparse = tracker.round(selection.tensors, local, delta, rounds)
+            failures = self.coordinator.agree_on(rounds.stage or "patch", rounds.error)
+        except SyncError as e:
+            e.engine = e.engine or self._unchanged()
+            raise
+        if failures:
+            raise agreed_error(rounds.error, failures, self._unchanged())
+        assert sparse is not None
+        return sparse
 
     def _whole(self, selection: Selection, sparse: SparseRound) -> Selection:
         """The part of a sparse sync sent whole; with `verify`, the patched tensors are gathered too (their digests)."""
@@ -556,10 +591,17 @@ class WeightSync:
                 sent with `check_finite`; `VerifyError` with `verify` when the engine differs from what was sent;
                 `SyncTimeoutError` when a rank does not arrive in time.
         """
-        plan = self.plan()
-        if self.config.check_finite:
-            self._check_finite(plan)
-        selection, check_seconds, sparse_ready = self._selection(plan)
+        self.coordinator.reopen()
+        if self._bounded is not None:
+            self._bounded.bound(time.monotonic() + _writer_budget(self.config.sync_timeout_s))
+        try:
+            plan = self.plan()
+            if self.config.check_finite:
+                self._check_finite(plan)
+            selection, check_seconds, sparse_ready = self._selection(plan)
+        except SyncError:
+            self.resync()  # as after any failed sync: the next one is complete (a restarted engine's included)
+            raise
         digests = self._digests
         if digests is not None:
             digests.reset()
@@ -619,6 +661,20 @@ class WeightSync:
             snapshot_seconds=snapshot_seconds,
             patch_seconds=patch_seconds,
         )
+
+
+def _unpatched(whole: Selection) -> EngineState:
+    """The engine after a sparse sync whose patches failed without the writer's account: the tensors sent whole
+    hold their new values, the patched ones their previous or new ones (patches are written element by element)."""
+    if not whole.tensors:
+        return EngineState("unchanged", note="the sync's patches were not written")
+    return EngineState("mixed", note="the tensors sent whole hold their new values, the patched ones old or new ones")
+
+
+def _writer_budget(sync_timeout_s: float) -> float:
+    """How long a writer's own waits may take in one sync: the sync's bound, less a margin in which the ranks still
+    agree before any of them gives up on the others (they wait `sync_timeout_s` at each status round)."""
+    return sync_timeout_s - min(2.0, 0.1 * sync_timeout_s)
 
 
 def _only(stream: Iterator[tuple[str, torch.Tensor]], names: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -22,6 +22,7 @@ from .errors import SyncError
 __all__ = [
     "ServerClient",
     "ServerConfigError",
+    "ServerNoAnswerError",
     "ServerRequestError",
     "ServerRouteMissing",
     "ServerUnavailableError",
@@ -32,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 class ServerUnavailableError(SyncError):
     """The vLLM server cannot be reached (not started, wrong address, or it died)."""
+
+
+class ServerNoAnswerError(ServerUnavailableError):
+    """The vLLM server took the request but did not answer in time (stopped, hung, or overloaded)."""
 
 
 class ServerConfigError(SyncError):
@@ -52,21 +57,31 @@ class ServerClient(HTTPVLLMWeightSyncClient):
     Args:
         base_url: e.g. `http://127.0.0.1:8000`.
         timeout: seconds each request may take (a weight update's `/update_weights` lasts the whole transfer).
+
+    Attributes:
+        deadline: `time.monotonic()` by which every request must be answered (the sync's own bound, set for each
+            sync by the writer; None: `timeout` alone).
     """
 
     def __init__(self, base_url: str, timeout: float) -> None:
         super().__init__(base_url, timeout=timeout)
+        self.deadline: float | None = None
 
     def _request(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
         import requests
 
         url = f"{self.base_url}/{path}"
+        bound = timeout or self.timeout
+        by_deadline = self.deadline is not None and self.deadline - time.monotonic() < bound
+        if by_deadline:
+            # NOTE: never 0 (requests refuses it); a passed deadline leaves 1 ms.
+            bound = max(self.deadline - time.monotonic(), 1e-3)  # type: ignore[operator]
         try:
-            response = requests.request(method, url, timeout=timeout or self.timeout, **kwargs)
+            response = requests.request(method, url, timeout=bound, **kwargs)
         except requests.exceptions.Timeout as e:
-            raise ServerUnavailableError(
-                f"the vLLM server at {self.base_url} did not answer {method} /{path} within "
-                f"{timeout or self.timeout:.0f} s"
+            why = " (what was left of the sync's bound, SyncConfig.sync_timeout_s)" if by_deadline else ""
+            raise ServerNoAnswerError(
+                f"the vLLM server at {self.base_url} did not answer {method} /{path} within {bound:.1f} s{why}"
             ) from e
         except requests.exceptions.ConnectionError as e:
             raise ServerUnavailableError(f"the vLLM server at {self.base_url} cannot be reached ({method} /{path})") from e
@@ -130,6 +145,22 @@ class ServerClient(HTTPVLLMWeightSyncClient):
 
     def reset_prefix_cache(self) -> None:
         self._request("POST", "reset_prefix_cache")
+
+    def weight_version(self, timeout: float | None = None) -> str:
+        """The version of the weights the server holds (vLLM's `/weight_info`; `"default"` after start-up).
+
+        Args:
+            timeout: the bound on this request (default: the client's).
+
+        Raises:
+            ServerRouteMissing: the server has no weight versions (the route came with vLLM's weight-transfer API).
+            ServerRequestError: the server's data-parallel engines disagree (vLLM raises), or another error answer.
+        """
+        return str(self._request("GET", "weight_info", timeout=timeout)["weight_version"])
+
+    def update_weight_version(self, version: str) -> None:
+        """Give the weights the server holds this version (vLLM's `/update_weight_version`)."""
+        self._request("POST", "update_weight_version", json={"new_version": version})
 
     def weight_checksums(self) -> dict[str, str]:
         """sha256 of every engine parameter, keyed `dp0:pp0:pcp0:tp0:<engine name>` (vLLM's `/weight_checker`).

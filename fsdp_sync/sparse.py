@@ -28,16 +28,23 @@ import torch.distributed as dist
 
 __all__ = [
     "Counts",
+    "Exchanged",
     "Joined",
+    "Packed",
     "Patch",
     "Piece",
     "Snapshot",
     "count_changes",
     "decode_indices",
     "encode_indices",
+    "exchange_counts",
+    "exchange_patches",
     "gather_patches",
     "index_blocks",
+    "local_counts",
+    "pack_patches",
     "replica_piece",
+    "unpack_patches",
 ]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -191,14 +198,24 @@ def count_changes(
     names: Sequence[str], local: dict[str, Patch], *, group: dist.ProcessGroup | None = None
 ) -> Counts:
     """Every rank's number of changes of each tensor and whether any new value is NaN: one all-gather."""
+    return exchange_counts(names, local_counts(names, local), group=group)
+
+
+def local_counts(names: Sequence[str], local: dict[str, Patch]) -> torch.Tensor:
+    """This rank's row per tensor: (changed elements, whether a new value is NaN), `[len(names), 2]` int64; local
+    work, for `exchange_counts`."""
     device = next((p.indices.device for p in local.values()), torch.device("cpu"))
     rows = [[local[n].count, int(torch.isnan(local[n].values).any())] if n in local else [0, 0] for n in names]
-    mine = torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 2)
+    return torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 2)
+
+
+def exchange_counts(names: Sequence[str], mine: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> Counts:
+    """Every rank's `local_counts`, on every rank: one all-gather."""
     if _single(group):
         both = mine.cpu().unsqueeze(0)
     else:
         world = dist.get_world_size(group)
-        out = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+        out = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
         dist.all_gather_into_tensor(out, mine.reshape(-1), group=group)
         both = out.view(world, len(names), 2).cpu()
     return Counts(tuple(names), both[:, :, 0], tuple(bool(x) for x in both[:, :, 1].amax(dim=0).tolist()))
@@ -224,6 +241,124 @@ class Joined:
     wire_bytes: int
 
 
+@dataclass(frozen=True)
+class Packed:
+    """This rank's patches encoded for the patch gathers (`pack_patches`; local work, so a failure in it is said at
+    a status round before any rank enters the gathers).
+
+    Attributes:
+        names, dtypes, numels: as `gather_patches` was given them.
+        counts: every rank's counts of exactly `names`.
+        order: the indices of the tensors some rank changed (the others travel not at all).
+        low: this rank's indices' low 16 bits, every changed tensor in `order`, as float16 bits (gloo has no int16
+            collective, and an all-gather only copies bytes).
+        blocks: this rank's changes per block of 2**16 elements, every changed tensor in `order`.
+        values: this rank's new values, per value dtype.
+    """
+
+    names: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    numels: tuple[int, ...]
+    counts: Counts
+    order: tuple[int, ...]
+    low: torch.Tensor
+    blocks: torch.Tensor
+    values: dict[torch.dtype, torch.Tensor]
+
+
+def pack_patches(
+    names: Sequence[str],
+    local: dict[str, Patch],
+    dtypes: Sequence[torch.dtype],
+    numels: Sequence[int],
+    counts: Counts,
+) -> Packed:
+    """Encode this rank's patches of `names` for `exchange_patches` (local work)."""
+    if counts.names != tuple(names):
+        raise ValueError("gather_patches: `counts` must be of exactly `names`, in order (Counts.subset)")
+    device = next((p.indices.device for p in local.values()), torch.device("cpu"))
+    order = tuple(i for i, t in enumerate(counts.totals) if t)
+    empty_index = torch.empty(0, dtype=torch.int64, device=device)
+    lows, blocks, values = [], [], {kind: [] for kind in sorted(set(dtypes), key=str)}
+    for i in order:
+        patch = local.get(names[i])
+        indices = patch.indices if patch is not None else empty_index
+        low16, per_block = encode_indices(indices, numels[i])
+        lows.append(low16)
+        blocks.append(per_block)
+        if patch is not None:
+            values[dtypes[i]].append(patch.values)
+    low = torch.cat(lows) if lows else torch.empty(0, dtype=torch.int16, device=device)
+    return Packed(
+        tuple(names),
+        tuple(dtypes),
+        tuple(numels),
+        counts,
+        order,
+        low.view(torch.float16),
+        torch.cat(blocks) if blocks else torch.empty(0, dtype=torch.int32, device=device),
+        {
+            kind: torch.cat(parts) if parts else torch.empty(0, dtype=kind, device=device)
+            for kind, parts in values.items()
+        },
+    )
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """Every rank's packed patches, as the patch gathers delivered them (empty lists on ranks that receive none)."""
+
+    low: list[torch.Tensor]
+    blocks: list[torch.Tensor]
+    values: dict[torch.dtype, list[torch.Tensor]]
+    wire_bytes: int
+
+
+def exchange_patches(packed: Packed, *, to_all: bool, group: dist.ProcessGroup | None = None) -> Exchanged:
+    """The patch gathers: the indices' low bits, the changes per block, and the values (one per value dtype)."""
+    world = 1 if _single(group) else dist.get_world_size(group)
+    per_rank = packed.counts.per_rank
+    lengths = per_rank.sum(dim=1).tolist() if packed.order else [0] * world
+    low = [t.view(torch.int16) for t in _gather_padded(packed.low, lengths, to_all, group)]
+    blocks = _gather_padded(packed.blocks, [packed.blocks.numel()] * world, to_all, group)
+    wire = world * (max(lengths) * 2 + packed.blocks.numel() * 4)
+    values: dict[torch.dtype, list[torch.Tensor]] = {}
+    for kind, flat in packed.values.items():
+        ids = [i for i in packed.order if packed.dtypes[i] == kind]
+        kind_lengths = per_rank[:, ids].sum(dim=1).tolist() if ids else [0] * world
+        values[kind] = _gather_padded(flat, kind_lengths, to_all, group)
+        wire += world * max(kind_lengths) * kind.itemsize
+    return Exchanged(low, blocks, values, wire)
+
+
+def unpack_patches(packed: Packed, exchanged: Exchanged, *, receive: bool) -> Joined:
+    """Every rank's patches decoded from the gathers (local work; `receive`: this rank received them)."""
+    totals = packed.counts.totals
+    if not receive:
+        return Joined(totals, {}, exchanged.wire_bytes)
+    names, numels, per_rank = packed.names, packed.numels, packed.counts.per_rank
+    patches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {names[i]: [] for i in packed.order}
+    for r in range(len(exchanged.blocks)):
+        value_at = dict.fromkeys(exchanged.values, 0)
+        low_at = block_at = 0
+        for i in packed.order:
+            n, nblocks = int(per_rank[r, i]), index_blocks(numels[i])
+            per_block = exchanged.blocks[r][block_at : block_at + nblocks]
+            block_at += nblocks
+            if not n:
+                continue
+            kind = packed.dtypes[i]
+            indices = decode_indices(exchanged.low[r][low_at : low_at + n], per_block)
+            patches[names[i]].append((indices, exchanged.values[kind][r][value_at[kind] : value_at[kind] + n]))
+            low_at += n
+            value_at[kind] += n
+    joined = {
+        name: Patch(torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
+        for name, parts in patches.items()
+    }
+    return Joined(totals, joined, exchanged.wire_bytes)
+
+
 def gather_patches(
     names: Sequence[str],
     local: dict[str, Patch],
@@ -236,7 +371,7 @@ def gather_patches(
 ) -> Joined:
     """Every rank's patches of `names`, joined, in four collectives whatever the number of tensors: the counts
     (`count_changes`, unless given), the changes per block of 2**16 elements, the indices' low 16 bits, and the
-    values (one per value dtype).
+    values (one per value dtype). `pack_patches`, `exchange_patches` and `unpack_patches` in one call.
 
     Args:
         names: the tensors, in the same order on every rank.
@@ -248,64 +383,12 @@ def gather_patches(
         counts: `count_changes` of exactly `names` (`Counts.subset`), when the caller read them first to decide
             what travels as patches.
     """
-    single = _single(group)
-    world = 1 if single else dist.get_world_size(group)
-    me = 0 if single else dist.get_rank(group)
-    device = next((p.indices.device for p in local.values()), torch.device("cpu"))
     if counts is None:
         counts = count_changes(names, local, group=group)
-    if counts.names != tuple(names):
-        raise ValueError("gather_patches: `counts` must be of exactly `names`, in order (Counts.subset)")
-    per_rank = counts.per_rank
-    totals = counts.totals
-    receive = to_all or me == 0
-    order = [i for i, t in enumerate(totals) if t]
-    empty_index = torch.empty(0, dtype=torch.int64, device=device)
-    lows, blocks, values = [], [], {kind: [] for kind in sorted(set(dtypes), key=str)}
-    for i in order:
-        patch = local.get(names[i])
-        indices = patch.indices if patch is not None else empty_index
-        low16, per_block = encode_indices(indices, numels[i])
-        lows.append(low16)
-        blocks.append(per_block)
-        if patch is not None:
-            values[dtypes[i]].append(patch.values)
-    # NOTE: int16 travels as float16 bits: gloo has no int16 collective, and an all-gather only copies bytes.
-    low_flat = torch.cat(lows) if lows else torch.empty(0, dtype=torch.int16, device=device)
-    lengths = per_rank.sum(dim=1).tolist() if order else [0] * world
-    joined_low = [t.view(torch.int16) for t in _gather_padded(low_flat.view(torch.float16), lengths, to_all, group)]
-    block_flat = torch.cat(blocks) if blocks else torch.empty(0, dtype=torch.int32, device=device)
-    joined_blocks = _gather_padded(block_flat, [block_flat.numel()] * world, to_all, group)
-    wire = world * (max(lengths) * 2 + block_flat.numel() * 4)
-    joined_values: dict[torch.dtype, list[torch.Tensor]] = {}
-    for kind, parts in values.items():
-        ids = [i for i in order if dtypes[i] == kind]
-        flat = torch.cat(parts) if parts else torch.empty(0, dtype=kind, device=device)
-        kind_lengths = per_rank[:, ids].sum(dim=1).tolist() if ids else [0] * world
-        joined_values[kind] = _gather_padded(flat, kind_lengths, to_all, group)
-        wire += world * max(kind_lengths) * kind.itemsize
-    if not receive:
-        return Joined(totals, {}, wire)
-    patches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {names[i]: [] for i in order}
-    for r in range(world):
-        value_at = dict.fromkeys(joined_values, 0)
-        low_at = block_at = 0
-        for i in order:
-            n, nblocks = int(per_rank[r, i]), index_blocks(numels[i])
-            per_block = joined_blocks[r][block_at : block_at + nblocks]
-            block_at += nblocks
-            if not n:
-                continue
-            kind = dtypes[i]
-            indices = decode_indices(joined_low[r][low_at : low_at + n], per_block)
-            patches[names[i]].append((indices, joined_values[kind][r][value_at[kind] : value_at[kind] + n]))
-            low_at += n
-            value_at[kind] += n
-    joined = {
-        name: Patch(torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]))
-        for name, parts in patches.items()
-    }
-    return Joined(totals, joined, wire)
+    packed = pack_patches(names, local, dtypes, numels, counts)
+    exchanged = exchange_patches(packed, to_all=to_all, group=group)
+    me = 0 if _single(group) else dist.get_rank(group)
+    return unpack_patches(packed, exchanged, receive=to_all or me == 0)
 
 
 def _gather_padded(

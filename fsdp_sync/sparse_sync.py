@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,20 @@ from fsdp_sync.compat.manifest import PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
 
 from .delta import DeltaTracker
+from .distributed import Rounds
+from .faults import fault_point
 from .gather.base import Gatherer
-from .sparse import Patch, Snapshot, count_changes, gather_patches
+from .sparse import (
+    Counts,
+    Packed,
+    Patch,
+    Snapshot,
+    exchange_counts,
+    exchange_patches,
+    local_counts,
+    pack_patches,
+    unpack_patches,
+)
 
 __all__ = ["BACKOFF_SYNCS", "SparseRound", "SparseTracker", "patchable_tensors"]
 
@@ -177,16 +189,72 @@ class SparseTracker:
         patches = self.snapshot.diff(self.gatherer.local_pieces(sources))
         return {self.source[name]: patch for name, patch in patches.items()}
 
-    def round(self, selected: Sequence[PlannedTensor], local: dict[str, Patch], delta: DeltaTracker) -> SparseRound:
+    def round(
+        self, selected: Sequence[PlannedTensor], local: dict[str, Patch], delta: DeltaTracker, rounds: Rounds
+    ) -> SparseRound | None:
         """Count every rank's changes, decide what goes whole, gather the rest as patches (collectives: every rank).
+
+        Failure model: a status round before the counts and another before the patch gathers, so a rank that fails
+        in its local work (its counts; the decision and its encoded patches) says so before any rank enters those
+        collectives, and every rank stops together (the pipeline's agreement then raises on every rank). Decoding
+        the gathered patches comes after the last collective.
 
         Args:
             selected: the tensors this sync sends (the delta selection), in stream order.
             local: this rank's patches (`diff`).
             delta: the delta tracker, whose engine-module grouping widens what goes whole.
+            rounds: this sync's status rounds (a failure here is recorded in it, stage `patch`).
+
+        Returns:
+            the round, or None when a rank failed (`rounds` says which).
         """
         names = [t.name for t in selected if t.name in self.tensors]
-        counts = count_changes(names, local, group=self.group)
+
+        def count() -> torch.Tensor:
+            fault_point("sparse.count")
+            return local_counts(names, local)
+
+        mine = rounds.attempt("patch", count)
+        if not rounds.go_on():
+            return None
+        assert mine is not None
+        counts = exchange_counts(names, mine, group=self.group)
+
+        def pack() -> tuple[SparseRound, Packed]:
+            fault_point("sparse.pack")
+            return self._decide(selected, names, counts, local, delta)
+
+        decided = rounds.attempt("patch", pack)
+        if not rounds.go_on():
+            return None
+        assert decided is not None
+        plan, packed = decided
+        exchanged = exchange_patches(packed, to_all=self.to_all, group=self.group)
+        receive = self.to_all or not dist.is_initialized() or dist.get_rank(self.group) == 0
+
+        def unpack() -> SparseRound:
+            if receive:
+                fault_point("sparse.unpack")
+            joined = unpack_patches(packed, exchanged, receive=receive)
+            patches = tuple(
+                EnginePatch(n, tuple(self.tensors[n].spec.shape), dtype, p.indices, p.values)
+                for n, dtype in zip(packed.names, packed.dtypes, strict=True)
+                if (p := joined.patches.get(n)) is not None
+            )
+            return replace(plan, patches=patches, wire_bytes=joined.wire_bytes)
+
+        return rounds.attempt("patch", unpack)
+
+    def _decide(
+        self,
+        selected: Sequence[PlannedTensor],
+        names: list[str],
+        counts: Counts,
+        local: dict[str, Patch],
+        delta: DeltaTracker,
+    ) -> tuple[SparseRound, Packed]:
+        """What goes whole (the same on every rank: from the agreed counts) and this rank's patches of the rest,
+        encoded; the round's figures (its patches and bytes are filled in once gathered)."""
         totals = counts.totals
         numels = {n: math.prod(self.tensors[n].spec.shape) for n in names}
         dense_seed: set[str] = {t.name for t in selected if t.name not in self.tensors}
@@ -203,31 +271,19 @@ class SparseTracker:
                 dense_seed.update(names[i] for i in members)
         whole = delta.widen(dense_seed) if dense_seed else frozenset()
         sparse_names = [n for n in names if n not in whole]
-        kept = counts.subset(sparse_names)
         dtypes = [self._wire_dtype(self.tensors[n]) for n in sparse_names]
-        joined = gather_patches(
-            sparse_names,
-            local,
-            dtypes,
-            [numels[n] for n in sparse_names],
-            to_all=self.to_all,
-            group=self.group,
-            counts=kept,
-        )
-        patches = tuple(
-            EnginePatch(n, tuple(self.tensors[n].spec.shape), dtype, p.indices, p.values)
-            for n, dtype in zip(sparse_names, dtypes, strict=True)
-            if (p := joined.patches.get(n)) is not None
-        )
-        return SparseRound(
+        sizes = [numels[n] for n in sparse_names]
+        packed = pack_patches(sparse_names, local, dtypes, sizes, counts.subset(sparse_names))
+        plan = SparseRound(
             dense=tuple(t for t in selected if t.name in whole),
-            patches=patches,
+            patches=(),
             patched_tensors=len(sparse_names),
             diffed_elements=sum(numels.values()),
             changed_elements=sum(totals),
             patched_elements=sum(numels[n] for n in sparse_names),
-            wire_bytes=joined.wire_bytes,
+            wire_bytes=0,
         )
+        return plan, packed
 
     def _wire_dtype(self, t: PlannedTensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.spec.dtype.is_floating_point else t.spec.dtype

@@ -74,6 +74,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--group-port", type=int, default=51216, help="server mode: the weight-transfer group's port")
     p.add_argument("--server-timeout", type=float, default=60.0, help="server mode: TRL's vllm_server_timeout")
     p.add_argument("--sync-timeout", type=float, default=300.0, help="server mode: SyncConfig.server_timeout_s")
+    p.add_argument("--sync-timeout-s", type=float, default=None, help="SyncConfig.sync_timeout_s")
+    p.add_argument(
+        "--server-action",
+        action="append",
+        default=[],
+        metavar="ACTION:SYNC:WHEN",
+        help="server mode, repeatable: ask the test to kill, start, restart, stop (SIGSTOP) or cont (SIGCONT) the "
+        "server before or after sync SYNC (fsdp_sync._demo.server_actions); a failed sync is recorded and training "
+        "goes on",
+    )
+    p.add_argument(
+        "--resync-at", type=int, action="append", default=[], help="rank 0 calls trainer.resync() before this sync"
+    )
     p.add_argument("--server-buffer-bytes", type=int, default=None, help="server mode: SyncConfig.server_buffer_bytes")
     p.add_argument("--kill-server-pid", type=int, default=None, help="fault injection: the server's process group")
     p.add_argument(
@@ -718,6 +731,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fsdp1_strategy=args.fsdp1_strategy,
                 fsdp2_strategy=args.fsdp2_strategy,
                 server_timeout_s=args.sync_timeout,
+                **({"sync_timeout_s": args.sync_timeout_s} if args.sync_timeout_s is not None else {}),
                 verify=args.verify,
                 check_finite=args.check_finite,
                 delta=not args.no_delta,
@@ -746,7 +760,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sync_seconds: list[float] = []
     syncs_started: list[float] = []
     injections.trainer = trainer
-    faulting = bool(args.inject or args.soak or args.tamper_engine)
+    faulting = bool(args.inject or args.soak or args.tamper_engine or args.server_action)
+    from fsdp_sync._demo.server_actions import ServerActions
+
+    actions = ServerActions(args.server_action, args.out_dir, result["rank"])
     result["failed_syncs"] = []
     result["injections"] = []
 
@@ -759,6 +776,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _change_the_model(trainer, args, index)
         armed = injections.planned(index)
         before = checker.snapshot() if armed is not None and args.check else None
+        actions.run(index, "before")
+        if index in args.resync_at and result["rank"] == 0:
+            trainer.resync()
         syncs_started.append(time.perf_counter())
         try:
             inner_sync()
@@ -789,6 +809,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if armed is not None:
                 own = [point for point, _ in injections.injector.fired[fired:]]
                 result["injections"].append({"sync": index, **armed, "fired_here": own})
+            actions.run(index, "after")
         sync_seconds.append(time.perf_counter() - syncs_started[-1])
         if checker is not None:
             checker()
@@ -814,6 +835,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["trainer_names"] = sorted(plan.targets) if plan is not None else []
     result["dropped"] = [d.name for d in plan.dropped] if plan is not None else []
     result["sync_seconds"] = sync_seconds
+    result["server_actions"] = actions.done
     result["checks"] = checker.records if checker is not None else []
     if server:
         import vllm.distributed.weight_transfer.base as transfer_base

@@ -155,6 +155,7 @@ class VLLMServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
+        self._paused = False
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
@@ -167,8 +168,9 @@ class VLLMServerProcess:
         return cmd
 
     def start(self) -> VLLMServerProcess:
-        import requests
-
+        """Start the server (again, after `kill`: on the same port, from the same checkpoint) and wait for it."""
+        if self.running:
+            raise RuntimeError(f"the vLLM server at {self.base_url} is already running")
         env = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",
@@ -185,34 +187,71 @@ class VLLMServerProcess:
         else:
             env.pop(READABLE_WEIGHTS_ENV, None)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "w")
+        # Appended: a restarted server (`kill`, then `start` again on the same port) keeps its first log.
+        log = open(self.log_path, "a")
         start = time.monotonic()
         self.process = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         log.close()
-        while time.monotonic() - start < self.startup_timeout:
+        self._paused = False
+        try:
+            self.wait_until_healthy(self.startup_timeout)
+        except TimeoutError:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - start
+        return self
+
+    def wait_until_healthy(self, timeout: float = 120.0) -> None:
+        """Until `/health` answers 200.
+
+        Raises:
+            RuntimeError: the server exited; TimeoutError: not healthy within `timeout` seconds.
+        """
+        import requests
+
+        assert self.process is not None
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
-                    self.startup_seconds = time.monotonic() - start
-                    return self
+                    return
             except requests.exceptions.RequestException:
                 pass
-            time.sleep(1.0)
-        self.stop()
-        raise TimeoutError(f"the vLLM server was not up after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.2)
+        raise TimeoutError(f"the vLLM server was not up after {timeout:.0f} s:\n{self.log_tail()}")
+
+    @property
+    def running(self) -> bool:
+        """The server process is alive (reaps it where it was killed from outside)."""
+        return self.process is not None and self.process.poll() is None
 
     def kill(self) -> None:
         """SIGKILL the server and its engine and worker processes at once (a crash, not a shutdown)."""
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=30)
+        self._paused = False
+
+    def pause(self) -> None:
+        """SIGSTOP the server's whole process group: a stalled server (its listening sockets still accept)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGSTOP)
+            self._paused = True
+
+    def resume(self) -> None:
+        """SIGCONT after `pause` (nothing otherwise)."""
+        if self._paused and self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGCONT)
+        self._paused = False
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
+        self.resume()
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(timeout=30)

@@ -130,14 +130,52 @@ def _local_address_towards(host: str) -> str:
         return s.getsockname()[0]
 
 
-def _open_group(
-    master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float
-) -> dist.ProcessGroupGloo:
-    """A standalone gloo group over TCP (rank 0 hosts the store); touches no default process group."""
+def _listen(master_address: str, master_port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store the sender hosts at `master_address:master_port`, for every rank to join.
+
+    NOTE: the sender keeps the only reference to it, and its own group joins it as a client like the workers: so
+    dropping that reference closes the listening port at once (measured: a TCPStore server stops when its last
+    reference goes), whatever still holds the group (a failed round's traceback, an in-flight gloo work). A store
+    handed to the group instead lived as long as the group, and a failed transfer kept the port until the garbage
+    collector found it: the next handshake on the same port failed with EADDRINUSE (issue 27).
+
+    Raises:
+        RuntimeError: the port is taken (another process, or another trainer in this one); says which port.
+    """
+    try:
+        return dist.TCPStore(
+            master_address,
+            master_port,
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"the weight-transfer group port {master_port} on {master_address} is taken ({e}); another process, or "
+            "another trainer of this process, listens there. Give this trainer a free vllm_group_port."
+        ) from e
+
+
+def _join(master_address: str, master_port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the store the sender hosts (`_listen`)."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-    )
+    return dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
+
+
+def _open_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    store: dist.TCPStore | None = None,
+) -> dist.ProcessGroupGloo:
+    """A standalone gloo group over TCP, joined through the store the sender hosts (`_listen`; `store`: a client of
+    it already connected); touches no default process group."""
+    timeout = timedelta(seconds=timeout_s)
+    store = store or _join(master_address, master_port, world_size, timeout_s)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     # NOTE: gloo binds to the interface of the hostname by default, which may not be the one that reaches the peer;
@@ -370,6 +408,8 @@ class GlooTrainerInitInfo(TrainerInitInfo):
         world_size: 1 (the sender) + the server's worker count (`/get_world_size`).
         buffer_bytes: chunk size on the wire and on both sides' memory.
         timeout_s: bound on every collective of the transfer (and the rendezvous).
+        deadline: `time.monotonic()` by which the handshake must have ended (the sync's own bound; None: `timeout_s`
+            alone). Trainer side only.
     """
 
     backend: ClassVar[str] = "gloo"
@@ -379,6 +419,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     world_size: int
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
+    deadline: float | None = None
 
 
 def _first_failure(futures: Sequence[Future], timeout_s: float, what: str) -> None:
@@ -389,14 +430,24 @@ def _first_failure(futures: Sequence[Future], timeout_s: float, what: str) -> No
     for future in done:
         future.result()
     if pending:
-        raise TimeoutError(f"{what} did not complete within {timeout_s:.0f} s")
+        raise TimeoutError(f"{what} did not complete within {timeout_s:.1f} s")
+
+
+def _left(timeout_s: float, deadline: float | None) -> float:
+    """Seconds a wait may take: `timeout_s`, or less where `deadline` (`time.monotonic()`) comes first.
+
+    NOTE: never 0: torch reads a zero timeout as "no timeout" (`kNoTimeout`); a passed deadline gives 1 ms.
+    """
+    left = timeout_s if deadline is None else min(timeout_s, deadline - time.monotonic())
+    return max(left, 1e-3)
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
     """Trainer side: rank 0 hosts the group and broadcasts; other ranks only iterate the source (their collectives).
 
-    Every wait is bounded by `timeout_s`, and a failure of the server's side of a round (its HTTP answer) is raised
-    as soon as it arrives rather than after the broadcast times out.
+    Every wait is bounded by `timeout_s`, and by the sync's deadline where one is given (`bound`); a failure of the
+    server's side of a round (its HTTP answer) is raised as soon as it arrives rather than after the broadcast times
+    out. `shutdown` closes the transfer at once: the group port is free when it returns.
     """
 
     init_info_cls = GlooTrainerInitInfo
@@ -414,6 +465,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.buffer_bytes = buffer_bytes
         self.timeout_s = timeout_s
         self.group: dist.ProcessGroupGloo | None = None
+        # The rendezvous store this sender hosts (`_listen`): only this attribute holds it.
+        self._host: dist.TCPStore | None = None
+        # `time.monotonic()` by which every wait of the current round ends (None: `timeout_s` alone).
+        self.deadline: float | None = None
         # Chunks of data broadcast in the current round (0 until one is): whether the server can hold anything new.
         self.data_chunks = 0
 
@@ -432,8 +487,19 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         )
         # NOTE: vLLM 0.34's base class takes `rank` (0.28-0.33 do not); set here for every version.
         engine.rank = init_info.rank
+        engine.deadline = init_info.deadline
         if not engine.is_sender:
             return engine
+        try:
+            engine._handshake(init_info)
+        except BaseException:
+            # The failed handshake's traceback keeps `engine`: close the port now, not when the traceback goes.
+            engine.shutdown()
+            raise
+        return engine
+
+    def _handshake(self, init_info: GlooTrainerInitInfo) -> None:
+        """Host the rendezvous, ask the server's workers to join it, and join it (rank 0)."""
         worker_info = GlooWorkerInitInfo(
             master_address=init_info.master_address,
             master_port=init_info.master_port,
@@ -442,27 +508,42 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             buffer_bytes=init_info.buffer_bytes,
             timeout_s=init_info.timeout_s,
         )
+        address, port, world, timeout_s = (
+            init_info.master_address, init_info.master_port, init_info.world_size, init_info.timeout_s
+        )  # fmt: skip
+        self._host = _listen(address, port, world, timeout_s)
+        # NOTE: joined here, before the thread: a client that connects while its host is being closed would retry
+        # for `timeout_s`; connected, its rendezvous fails as soon as the host goes.
+        joined = _join(address, port, world, timeout_s)
         # The workers block in the rendezvous while answering the init request, so both run at once. The group is
-        # opened on a daemon thread: if the server refuses the init, the error is raised at once and the abandoned
-        # rendezvous (bounded by timeout_s) cannot keep the process alive.
+        # opened on a daemon thread: if the server refuses the init, the error is raised at once, and closing the
+        # store (`shutdown`) ends the abandoned rendezvous at once too.
         group: Future = Future()
 
         def open_sender() -> None:
             try:
-                group.set_result(
-                    _open_group(
-                        init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.timeout_s
-                    )
-                )
+                group.set_result(_open_group(address, port, 0, world, timeout_s, store=joined))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 group.set_exception(e)
 
         threading.Thread(target=open_sender, name="fvs-gloo-rendezvous", daemon=True).start()
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            answer = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
-            _first_failure([answer, group], init_info.timeout_s + 10, "the gloo weight-transfer handshake")
-        engine.group = group.result()
-        return engine
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            answer = pool.submit(self.client.init_weight_transfer_engine, asdict(worker_info))
+            wait_s = _left(init_info.timeout_s + 10, self.deadline)
+            _first_failure([answer, group], wait_s, "the gloo weight-transfer handshake")
+        finally:
+            # Never join the request thread here: a server that does not answer is not waited for past the bound.
+            pool.shutdown(wait=False)
+        self.group = group.result()
+
+    def bound(self, deadline: float | None) -> None:
+        """End every wait of the next rounds by `deadline` (`time.monotonic()`; None: `timeout_s` alone)."""
+        self.deadline = deadline
+
+    def _wait(self, work: Any) -> None:
+        """Wait for one broadcast, within the round's bound."""
+        work.wait(timedelta(seconds=_left(self.timeout_s, self.deadline)))
 
     def send_weights(self) -> None:
         from fsdp_sync.compat.weight_transfer import source_metadata, source_tensors
@@ -487,7 +568,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         try:
             answer = pool.submit(self.client.update_weights, asdict(update))
             self._broadcast_stream(source_tensors(source), meta, answer)
-            _first_failure([answer], self.timeout_s, "the server's answer to /update_weights")
+            _first_failure([answer], _left(self.timeout_s, self.deadline), "the server's answer to /update_weights")
         finally:
             # Never join the request thread here: after a failed broadcast the server may still be waiting.
             pool.shutdown(wait=False)
@@ -515,11 +596,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             if answer.done():
                 answer.result()  # the server gave up on this round: say why now, not after a broadcast timeout
             if in_flight is not None:
-                in_flight[0].wait()
+                self._wait(in_flight[0])
             in_flight = (_broadcast(self.group, buffer), buffer)
             self.data_chunks += 1
         if in_flight is not None:
-            in_flight[0].wait()
+            self._wait(in_flight[0])
         for name, _ in stream:  # the metadata was shorter than the stream
             raise ValueError(f"the weight stream yielded {name!r} after the {len(meta)} announced tensors")
 
@@ -554,7 +635,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._broadcast_stream(tensors, segments, answer)
             # NOTE: the workers write only once every chunk arrived; before that the engine is unchanged.
             self.data_chunks = max(self.data_chunks, 1)
-            _first_failure([answer], self.timeout_s, "the server's answer to /update_weights")
+            _first_failure([answer], _left(self.timeout_s, self.deadline), "the server's answer to /update_weights")
         finally:
             pool.shutdown(wait=False)
         self.client.finish_weight_update()
@@ -567,13 +648,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         buffer[chunk.nbytes] = _ABORT
         try:
             if in_flight is not None:
-                in_flight[0].wait()
-            _broadcast(self.group, buffer).wait()
+                self._wait(in_flight[0])
+            self._wait(_broadcast(self.group, buffer))
         except Exception as e:  # noqa: BLE001 - the stream's own error is the one raised
             logger.warning("gloo weight transfer: could not tell the server to abort the update: %s", e)
 
     def shutdown(self) -> None:
+        """Close the transfer now: the group port is free when this returns (this engine held the store's only
+        reference), and the group's connections close once nothing else holds the group (gloo groups have no
+        explicit close). The server's workers leave the group when the next handshake replaces it."""
         self.group = None
+        self._host = None
 
 
 def _checked(source: Iterable[tuple[str, torch.Tensor]], meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:

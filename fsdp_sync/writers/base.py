@@ -6,7 +6,7 @@ writer."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -14,7 +14,7 @@ from fsdp_sync.compat.engine_api import EngineLayout
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
 
-__all__ = ["EngineWriter"]
+__all__ = ["BoundedWriter", "EngineWriter", "VersionedWriter"]
 
 
 class EngineWriter(Protocol):
@@ -83,4 +83,29 @@ class EngineWriter(Protocol):
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         """The engine's own sha256 digests per parameter, one dict per engine replica, and whether the engine
         shards weights over workers (then none can be compared)."""
+        ...
+
+
+@runtime_checkable
+class VersionedWriter(Protocol):
+    """A writer whose engine can keep a weight version (`fsdp_sync.versions`): every successful push stamps one,
+    and a delta or sparse sync first checks that the engine still holds the last (asked of the pushing ranks)."""
+
+    def replaced(self) -> str | None:
+        """Why the engine no longer holds the last push this writer stamped (both versions said), or None: it does,
+        or the engine keeps no version (logged once)."""
+        ...
+
+    def stamp(self, version: str) -> None:
+        """After a complete push: give the engine's weights `version`."""
+        ...
+
+
+@runtime_checkable
+class BoundedWriter(Protocol):
+    """A writer with waits of its own outside this process (a server's answers, a network transfer), which end by
+    the sync's deadline, so that an engine that stops answering fails the sync on every rank in time."""
+
+    def bound(self, deadline: float) -> None:
+        """Every wait of the sync starting now ends by `deadline` (`time.monotonic()`)."""
         ...

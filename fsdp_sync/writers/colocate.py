@@ -36,6 +36,7 @@ from fsdp_sync.compat.vllm_patches import quiet_partial_reload, refresh_tied_cpu
 
 from ..errors import EngineState, StreamInterrupted, SyncError
 from ..verify import tensor_bytes
+from ..versions import ColocateVersions
 
 __all__ = ["ColocateWriter", "EnginePushError"]
 
@@ -69,6 +70,7 @@ class ColocateWriter:
         self._patcher = EnginePatcher(self.handle.model)
         self._checkpoint: EngineManifest | None = None
         self._landings: dict[str, Landing] | None = None
+        self._versions = ColocateVersions(llm)
 
     def _read(self) -> tuple[EngineManifest, dict[str, Landing]]:
         """The engine's checkpoint and where its model's loader puts each tensor (read and probed once: parameter
@@ -185,6 +187,12 @@ class ColocateWriter:
 
     def finish(self) -> None:
         reset_prefix_cache(self.handle.llm)
+
+    def replaced(self) -> str | None:
+        return self._versions.replaced()
+
+    def stamp(self, version: str) -> None:
+        self._versions.stamp(version)
 
     def engine_layout(self) -> EngineLayout:
         model = self.handle.model

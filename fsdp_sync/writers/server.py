@@ -18,7 +18,6 @@ the gathers complete on every rank) before the ranks agree on the outcome (`Weig
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import logging
 import socket
@@ -39,6 +38,7 @@ from fsdp_sync.compat.trl_api import ServerAddress
 from fsdp_sync.compat.vllm_patches import unfixed_reload_gaps
 from fsdp_sync.compat.weight_transfer import PlanSource, plan_source, source_metadata, trainer_transfer_engine
 from ..errors import EngineState, SyncError
+from ..versions import ServerVersions
 from ..server_client import (
     ServerClient,
     ServerConfigError,
@@ -68,7 +68,7 @@ class _Transport:
         retains_tensors: the trainer engine keeps tensors it was handed until a chunk is complete (NCCL's packed
             producer concatenates a chunk's tensors lazily); gloo copies each into its chunk at once.
         init_fields: backend-specific fields of the trainer init info, from (master address, port, world size,
-            buffer bytes, timeout).
+            buffer bytes, timeout, the sync's deadline).
         requires_cuda: the backend runs only on a CUDA trainer.
         partial_round: what the server's engine holds after a round that ended part-way.
         aborts_round: the backend can end a round part-way on the server's side (gloo's abort marker), so a failure
@@ -76,20 +76,23 @@ class _Transport:
             completed with placeholder tensors, which the server then holds (reported as undefined).
         patches_loaders: the backend's worker side applies this package's fixes of vLLM's loaders
             (`compat.vllm_patches`, e.g. gpt-oss's); without them, the tensors those fixes cover are refused.
+        bounded: the trainer engine ends its own waits by the sync's deadline (`bound`); vLLM's NCCL engine keeps
+            NCCL's bound on its collectives (the HTTP answers are bounded by the client either way).
     """
 
     retains_tensors: bool
-    init_fields: Callable[[str, int, int, int, float], dict[str, Any]]
+    init_fields: Callable[[str, int, int, int, float, float | None], dict[str, Any]]
     requires_cuda: bool
     partial_round: EngineState
     aborts_round: bool
     patches_loaders: bool
+    bounded: bool
 
 
 _TRANSPORTS: dict[str, _Transport] = {
     "nccl": _Transport(
         retains_tensors=True,
-        init_fields=lambda address, port, world, buffer, timeout: {
+        init_fields=lambda address, port, world, buffer, timeout, deadline: {
             "master_address": address,
             "master_port": port,
             "world_size": world,
@@ -102,15 +105,17 @@ _TRANSPORTS: dict[str, _Transport] = {
         ),
         aborts_round=False,
         patches_loaders=False,
+        bounded=False,
     ),
     "gloo": _Transport(
         retains_tensors=False,
-        init_fields=lambda address, port, world, buffer, timeout: {
+        init_fields=lambda address, port, world, buffer, timeout, deadline: {
             "master_address": address,
             "master_port": port,
             "world_size": world,
             "buffer_bytes": buffer,
             "timeout_s": timeout,
+            "deadline": deadline,
         },
         requires_cuda=False,
         partial_round=EngineState(
@@ -120,9 +125,14 @@ _TRANSPORTS: dict[str, _Transport] = {
         ),
         aborts_round=True,
         patches_loaders=True,
+        bounded=True,
     ),
 }
 SUPPORTED_BACKENDS: tuple[str, ...] = tuple(_TRANSPORTS)
+
+# The bound on asking a server its weight version after a failed round (an account of the failure, not a wait of
+# the sync: a server that stopped answering was not asked).
+_ASK_AFTER_FAILURE_S = 5.0
 
 
 def transport_for(info: ServerInfo) -> _Transport:
@@ -262,6 +272,9 @@ class ServerWriter:
         self._engine: Any = None
         self._round_open = False
         self.patches_everywhere = False
+        # `time.monotonic()` by which every wait of the current sync ends (`bound`).
+        self._deadline: float | None = None
+        self._versions = ServerVersions(client) if client is not None else None
 
     def manifest(self) -> EngineManifest:
         try:
@@ -294,19 +307,64 @@ class ServerWriter:
             # source, handed to the engine built at the first sync.
             self._engine.source = self._source
 
+    def bound(self, deadline: float) -> None:
+        """Every wait of this sync (each HTTP answer, the handshake, each chunk) ends by `deadline`
+        (`time.monotonic()`), so that a server that stops answering fails the sync on every rank in time."""
+        self._deadline = deadline
+        if self.client is not None:
+            self.client.deadline = deadline
+        if self._engine is not None and self.transport.bounded:
+            self._engine.bound(deadline)
+
+    def replaced(self) -> str | None:
+        """Why the server no longer holds what this writer last stamped (its weight version says so), or None. The
+        transfer to the previous server process is dropped: the next push sets it up again.
+
+        Raises:
+            ServerUnavailableError: the server cannot be reached or did not answer; the transfer is dropped too (the
+                server that answers next may be another process, and the sync after a failed one is complete, so
+                it reads no version).
+        """
+        assert self._versions is not None
+        try:
+            why = self._versions.replaced()
+        except ServerUnavailableError as e:
+            e.engine = self._versions.after_failure(e, timeout_s=min(self.timeout_s, _ASK_AFTER_FAILURE_S))
+            self._drop_transfer()
+            raise
+        if why is not None:
+            self._drop_transfer()
+        return why
+
+    def stamp(self, version: str) -> None:
+        """Give the server's weights `version` (after a complete push; nothing where its vLLM keeps none)."""
+        assert self._versions is not None
+        self._versions.stamp(version)
+
+    def _drop_transfer(self) -> None:
+        """Close the transfer now (its group port is free when this returns); the next push sets it up again."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception as e:  # noqa: BLE001 - closing a failed transfer; the failure itself is what is raised
+                logger.warning("weight sync: closing the failed %s transfer: %s", self.backend, e)
+
     def _connect(self) -> Any:
         """The handshake with the server (first sync, and the sync after a failed one)."""
         assert self.client is not None and self._source is not None and self.backend is not None
-        # NOTE: the previous transfer's group may still be alive in reference cycles (a failed round's traceback
-        # holds its frames); its TCP store listens on the same port, which the new one must bind.
-        gc.collect()
         from ..transfer.plugin import register
 
         register()
         engine_cls = trainer_transfer_engine(self.backend)
         world_size = 1 + self.client.world_size()
         fields = self.transport.init_fields(
-            local_address_towards(self.client.base_url), self.group_port, world_size, self.buffer_bytes, self.timeout_s
+            local_address_towards(self.client.base_url),
+            self.group_port,
+            world_size,
+            self.buffer_bytes,
+            self.timeout_s,
+            self._deadline,
         )
         init_info = engine_cls.init_info_cls(**fields, rank=0)
         engine = engine_cls.trainer_init(init_info, client=self.client, source=self._source)
@@ -332,6 +390,8 @@ class ServerWriter:
             self._round_open = False
         if self._engine is None:
             self._engine = self._connect()
+        elif self.transport.bounded:
+            self._engine.bound(self._deadline)
         return self._engine
 
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -355,27 +415,24 @@ class ServerWriter:
             self._round_open = False
         except _UpstreamError as e:
             if not self.transport.aborts_round:
-                self._engine = None
+                self._drop_transfer()
             raise ServerPushError(
                 f"The weight stream failed upstream of the server ({e.error}); the update was aborted.",
-                engine=self._state(stage, engine),
+                engine=self._state(stage, engine, e.error),
             ) from e.error
         except (ServerRequestError, ServerConfigError) as e:
-            self._engine = None
             raise ServerPushError(
-                f"The vLLM server failed the weight update ({stage}): {e}.", engine=self._state(stage, engine)
+                f"The vLLM server failed the weight update ({stage}): {e}.", engine=self._failed(stage, engine, e)
             ) from e
         except ServerUnavailableError as e:
-            self._engine = None
             raise ServerTransportError(
-                f"The vLLM server became unreachable ({stage}): {e}.", engine=self._state(stage, engine)
+                f"The vLLM server became unreachable ({stage}): {e}.", engine=self._failed(stage, engine, e)
             ) from e
         except Exception as e:
-            self._engine = None
             raise ServerTransportError(
                 f"The {self.backend} weight transfer to {self.info.model!r} failed ({stage}; "
                 f"{type(e).__name__}: {e}).",
-                engine=self._state(stage, engine),
+                engine=self._failed(stage, engine, e),
             ) from e
         if cut.error is not None:  # the round was completed with placeholders after the stream failed
             raise ServerPushError(
@@ -384,10 +441,23 @@ class ServerWriter:
                 engine=EngineState("undefined", undefined=tuple(cut.placeholders), note="placeholders ended the round"),
             ) from cut.error
 
-    def _state(self, stage: str, engine: Any) -> EngineState:
-        """What the server holds after a round that failed at `stage`: unchanged when no weight reached it (the
-        handshake failed, or the transport says it sent no data: the gloo backend counts its chunks), else what
-        the transport leaves after a partial round."""
+    def _failed(self, stage: str, engine: Any, error: Exception) -> EngineState:
+        """After the server or the transfer failed: close the transfer now (the next push sets it up again) and say
+        what the server holds."""
+        state = self._state(stage, engine, error)
+        self._drop_transfer()
+        return state
+
+    def _state(self, stage: str, engine: Any, error: Exception) -> EngineState:
+        """What the server holds after a round that failed at `stage` with `error`: what its weight version says
+        where it differs from the last stamp or where the server does not answer (a restarted or stopped server:
+        the transport cannot know); else unchanged when no weight reached it (the handshake failed, or the
+        transport says it sent no data: the gloo backend counts its chunks), else what the transport leaves after
+        a partial round."""
+        assert self._versions is not None
+        seen = self._versions.after_failure(error, timeout_s=min(self.timeout_s, _ASK_AFTER_FAILURE_S))
+        if seen is not None:
+            return seen
         if stage == "connect":
             return EngineState("unchanged", note="no weight was sent; the next sync connects again")
         if getattr(engine, "data_chunks", None) == 0:
@@ -460,9 +530,8 @@ class ServerWriter:
             self._engine.send_patches(patches)
             self._round_open = False
         except Exception as e:
-            self._engine = None
-            state = self._state(stage, engine)
-            if state.status != "unchanged":
+            state = self._failed(stage, engine, e)
+            if state.status not in ("unchanged", "unknown", "replaced"):
                 state = EngineState("mixed", note="patches are written element by element and not rolled back")
             # The server answered with an error: its failure; anything else (no answer, the group): the transport's.
             server_said = isinstance(e, (ServerRequestError, ServerConfigError))

@@ -86,8 +86,8 @@ def _expected(model: torch.nn.Module, backend: str) -> dict[str, torch.Tensor]:
 
 
 # (point, which call fails): every point a sync of this set-up reaches, early and late. The e2e tests inject the
-# others: build and plan (once, before the first gather), check (delta syncs, check_finite), verify (an engine with
-# digests).
+# others: build and plan (once, before the first gather), check and agree.exchange (delta syncs, check_finite), the
+# sparse round's (sparse syncs), verify (an engine with digests).
 POINTS = [
     ("gather.prepare", "first"),
     ("gather.prepare", "last"),
@@ -100,6 +100,7 @@ POINTS = [
     ("write", "first"),
     ("write", "late"),
     ("write.finish", "first"),
+    ("agree.outcome", "first"),
 ]
 
 

@@ -33,8 +33,14 @@ pytestmark = pytest.mark.e2e
 BOUND_S = 10.0
 # The points every sync reaches in these jobs, after the first (build, plan), in the order they are injected.
 LATER = ["check", "gather.prepare", "gather.launch", "gather.unflatten", "stream.map", "stream.cast", "write",
-         "write.finish"]  # fmt: skip
+         "write.finish", "agree.exchange", "agree.outcome"]  # fmt: skip
+# The points of the sparse round and of the patches' push (sparse syncs), in the order they are injected.
+SPARSE = ["sparse.diff", "sparse.count", "sparse.pack", "sparse.unpack", "write.patches"]
+# The points only the rank that pushes reaches in server mode (the others gather, and receive no patches).
+SENDER_ONLY = ("write", "write.finish", "write.patches", "sparse.unpack")
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "faults.json"
+# A learning rate at which a few percent of the bf16 values change per step: sparse syncs send patches.
+SPARSE_LR = "3e-6"
 
 
 def _plan(points: list[str], world: int, *, server: bool) -> list[tuple[int, str, int, str]]:
@@ -43,7 +49,7 @@ def _plan(points: list[str], world: int, *, server: bool) -> list[tuple[int, str
     writes."""
     faults = [(0, "build", 1 % world, "first"), (1, "plan", 0, "first")]
     for j, point in enumerate(points):
-        rank = 0 if server and point.startswith("write") else (j + 1) % world
+        rank = 0 if server and point in SENDER_ONLY else (j + 1) % world
         where = {"gather.launch": "1", "gather.unflatten": "last", "write": "5", "stream.cast": "3"}.get(point, "first")
         faults.append((3 + 2 * j, point, rank, where))
     return faults
@@ -141,6 +147,35 @@ def test_every_fault_point_in_server_mode(backend: str, world: int, extra: list[
     )  # fmt: skip
     timings = _check_faults(result, faults, backend, world)
     _record(f"server-{backend}-{world}", timings)
+
+
+SPARSE_RUNS = [
+    pytest.param("fsdp1", 2, False, id="colocate-fsdp1-2ranks"),
+    pytest.param("fsdp2", 3, False, id="colocate-fsdp2-3ranks"),
+    pytest.param("fsdp1", 2, True, id="server-fsdp1-2ranks"),
+    pytest.param("fsdp2", 2, True, id="server-fsdp2-2ranks"),
+]
+
+
+@pytest.mark.parametrize("backend, world, server_mode", SPARSE_RUNS)
+def test_every_sparse_fault_point(backend: str, world: int, server_mode: bool, checkpoints, request,
+                                  tmp_path: Path) -> None:  # fmt: skip
+    """The sparse round's points and the patches' push, each injected into a sparse sync (every sync after a clean
+    retry is sparse again: the retry is complete and takes the snapshot), colocated and against the session's
+    server: the same checks as every other point, and every later sync bit-exact."""
+    faults = _plan(SPARSE, world, server=server_mode)
+    args = [arg for sync, point, rank, where in faults for arg in ("--inject", f"{point}:{sync}:{rank}:{where}")]
+    if server_mode:
+        server: VLLMServerProcess = request.getfixturevalue("server")
+        args += ["--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port())]
+    steps = 3 + len(SPARSE)  # one sparse sync after the last fault's retry
+    result = run_grpo(checkpoints("qwen2"), tmp_path, backend, "--sparse", "--lr", SPARSE_LR, "--steps", str(steps),
+                      *args, ranks=world)  # fmt: skip
+    timings = _check_faults(result, faults, backend, world)
+    for r in result.ranks:
+        ok = [rep for rep in r["reports"] if rep["ok"]]
+        assert ok[-1]["sparse"] and ok[-1]["patched_tensors"] > 0, "sparse syncs did not resume after the faults"
+    _record(f"{'server' if server_mode else 'colocate'}-sparse-{backend}-{world}", timings)
 
 
 SOAK = 50

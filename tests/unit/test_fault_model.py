@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.faults import BEGIN, END, RESULTS, table
+from benchmarks.faults import BEGIN, END, SERVER_BEGIN, SERVER_END, point_runs, server_runs, server_table, table
 from fsdp_sync.faults import FAULT_POINTS, FaultInjected, Injector, fault_point, injecting
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,11 +28,20 @@ def test_readme_fault_table_is_the_rendered_model_with_the_measured_times() -> N
 
 def test_every_declared_point_was_measured() -> None:
     """Each point of the model was injected by the end-to-end fault tests in the recorded run."""
-    import json
-
-    runs = json.loads(RESULTS.read_text())
-    measured = {t["point"] for timings in runs.values() for t in timings}
+    measured = {t["point"] for timings in point_runs().values() for t in timings}
     assert measured == set(FAULT_POINTS), f"not measured: {sorted(set(FAULT_POINTS) - measured)}"
+
+
+def test_server_fault_table_is_the_measured_one() -> None:
+    """docs/server.md's table of server faults (stopped, killed, restarted) is rendered from the recorded runs of
+    tests/e2e/test_recovery.py, and each fault cost at most one failed sync (the next one succeeded)."""
+    page = (ROOT / "docs" / "server.md").read_text()
+    assert SERVER_BEGIN in page and SERVER_END in page, "docs/server.md lacks the server-fault table's markers"
+    shown = page.split(SERVER_BEGIN, 1)[1].split(SERVER_END, 1)[0].strip()
+    assert shown == server_table(), "docs/server.md's server-fault table is stale: paste `python -m benchmarks.faults`"
+    records = [r for rows in server_runs().values() for r in rows]
+    assert records, "no server fault was measured"
+    assert all(r["next"] != "failed" for r in records), [r for r in records if r["next"] == "failed"]
 
 
 def test_every_declared_point_is_called_by_the_library() -> None:

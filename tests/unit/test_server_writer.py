@@ -70,6 +70,13 @@ class RecordingEngine:
         self.init_info = init_info
         self.source = source
         self.rounds: list[tuple[list[Any], list[tuple[str, torch.Tensor]]]] = []
+        self.deadlines: list[float | None] = []
+
+    def bound(self, deadline: float | None) -> None:
+        self.deadlines.append(deadline)
+
+    def shutdown(self) -> None:
+        """Nothing to close."""
 
     @classmethod
     def trainer_init(cls, init_info: Any, *, client: Any, source: Any) -> RecordingEngine:
@@ -94,6 +101,7 @@ class FakeClient:
     def __init__(self) -> None:
         self.resets = 0
         self.finishes = 0
+        self.version = "default"
 
     def world_size(self) -> int:
         return 1
@@ -104,6 +112,12 @@ class FakeClient:
     def finish_weight_update(self) -> None:
         self.finishes += 1
         raise ServerRequestError("finish_weight_update called without a matching start_weight_update")
+
+    def weight_version(self, timeout: float | None = None) -> str:
+        return self.version
+
+    def update_weight_version(self, version: str) -> None:
+        self.version = version
 
 
 class TwoTensorGatherer:
@@ -156,6 +170,7 @@ def test_metadata_from_the_plan_in_stream_order_and_engine_dtype(recording) -> N
     assert [n for n, _ in sent] == ["b.weight", "a.index"]
     assert sent[0][1].dtype == torch.bfloat16 and torch.equal(sent[0][1], torch.arange(6.0).reshape(2, 3).bfloat16())
     assert torch.equal(sent[1][1], torch.arange(4))
+    deadline = engine.init_info.fields.pop("deadline")
     assert engine.init_info.fields == {
         "master_address": "127.0.0.1",
         "master_port": 12345,
@@ -164,6 +179,7 @@ def test_metadata_from_the_plan_in_stream_order_and_engine_dtype(recording) -> N
         "timeout_s": 5,
         "rank": 0,
     }
+    assert isinstance(deadline, float), "the handshake is bounded by the sync's deadline"
     assert client.resets == 1
 
 
@@ -247,6 +263,7 @@ def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
         "f.big": torch.randn(40, 40, generator=g),  # 6400 bytes: larger than the buffer, travels alone
     }
     port = free_port()
+    host = gloo._listen("127.0.0.1", port, 2, timeout_s=30)
     loaded: list[list[tuple[str, torch.Tensor]]] = []
     model = SimpleNamespace(load_weights=lambda weights: loaded.append([(n, t.clone()) for n, t in weights]))
     config = SimpleNamespace(
@@ -277,6 +294,7 @@ def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
 
     trainer._broadcast_stream(source_tensors(_source(tensors)), meta, Future())
     thread.join(timeout=60)
+    del host
     assert not errors, errors
     received = [item for chunk in loaded for item in chunk]
     assert [n for n, _ in received] == list(tensors)
