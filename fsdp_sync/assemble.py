@@ -88,7 +88,7 @@ def build_sync(
     """
     # NOTE: read on every rank only where every rank has an engine (colocated): the gathers cast by it, so all ranks
     # must decide alike; a server's engine keeps its dtypes to itself (every floating tensor is cast).
-    wider = frozenset(writer.manifest().wider) if config.check_manifest and writer.patches_everywhere else frozenset()
+    wider = frozenset(writer.manifest().wider) if config.check_manifest and writer.engine_per_rank else frozenset()
     parts = _parts(model, config, writer.engine_dtype, device, backend, wider)
     return WeightSync(
         parts.gatherer,

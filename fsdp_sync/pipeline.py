@@ -250,7 +250,7 @@ class WeightSync:
             self.gatherer,
             self.writer.engine_dtype,
             max_density=self.config.sparse_max_density,
-            to_all=self.writer.patches_everywhere,
+            to_all=self.writer.engine_per_rank,
         )
         logger.info("weight sync: sparse syncs for %d of %d tensors", len(patchable), len(plan.tensors))
         return tracker

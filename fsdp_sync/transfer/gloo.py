@@ -362,7 +362,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         transfer that fails part-way leaves the engine unchanged)."""
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized; call /init_weight_transfer_engine first.")
-        from fsdp_sync.compat.patch_api import EnginePatch, EnginePatcher
+        from fsdp_sync.compat.patch_api import EnginePatch
+        from fsdp_sync.compat.patch_write import EnginePatcher
         from fsdp_sync.sparse import decode_indices
 
         started = time.perf_counter()

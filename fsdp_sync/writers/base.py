@@ -1,7 +1,8 @@
-"""The engine-writer protocol: what the sync needs from a transport, and only that: what the engine accepts
-(`manifest`), what it says of its weights (`engine_layout`, `engine_digests`), and the push (`prepare`, `write`,
-`finish`). The delta policy (`fsdp_sync.delta`) and `verify` (`fsdp_sync.verify`) are asked by the sync, never by a
-writer."""
+"""The writer protocols, split by capability: what every transport does (`EngineWriter`: what the engine accepts,
+what it says of its weights, the push), and what some can do besides (`PatchWriter`: sparse patches written in place;
+`VersionedWriter`: weight versions; `BoundedWriter`: waits outside this process bounded by the sync's deadline). The
+sync checks the optional ones once, when it is built. The selection policies (`fsdp_sync.sync.delta`, `.sparse`) and
+`verify` (`fsdp_sync.sync.verify`) are asked by the sync, never by a writer."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fsdp_sync.compat.engine_api import EngineLayout
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
 
-__all__ = ["BoundedWriter", "EngineWriter", "VersionedWriter"]
+__all__ = ["BoundedWriter", "EngineWriter", "PatchWriter", "VersionedWriter"]
 
 
 class EngineWriter(Protocol):
@@ -27,15 +28,16 @@ class EngineWriter(Protocol):
         retains_tensors: whether the transport keeps references to tensors after taking the next one (vLLM's
             layer-wise reload buffers a layer's parts; the packed broadcast buffers a chunk). Then tensors whose
             storage the gatherer frees at the next unit are copied first; otherwise they are passed as they are.
-        patches_everywhere: every rank pushes patches into its own engine (colocate), so every rank receives them;
-            else only the pushing rank does (server mode).
+        engine_per_rank: every rank writes into an engine of its own (colocate), so what is decided from the engine
+            is known alike on every rank, and every rank receives the patches of a sparse sync; else only the pushing
+            rank talks to the engine (server mode).
     """
 
     kind: str
     pushes: bool
     engine_dtype: torch.dtype | None
     retains_tensors: bool
-    patches_everywhere: bool
+    engine_per_rank: bool
 
     def manifest(self) -> EngineManifest:
         """What the engine accepts, by checkpoint name; read once, without touching engine weights."""
@@ -55,6 +57,25 @@ class EngineWriter(Protocol):
         """
         ...
 
+    def finish(self) -> None:
+        """After a complete push: drop state derived from the old weights (prefix cache)."""
+        ...
+
+    def engine_layout(self) -> EngineLayout:
+        """Where the engine loads each checkpoint tensor and which of its modules own parameters (read once per
+        plan, by the delta grouping and by `verify`)."""
+        ...
+
+    def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
+        """The engine's own sha256 digests per parameter, one dict per engine replica, and whether the engine
+        shards weights over workers (then none can be compared)."""
+        ...
+
+
+@runtime_checkable
+class PatchWriter(Protocol):
+    """A writer whose engine can take sparse patches in place (`SyncConfig(sparse=True)`)."""
+
     def sparse_refusal(self) -> str | None:
         """Why this engine cannot take sparse patches at all (None: it can), on the pushing rank."""
         ...
@@ -69,20 +90,6 @@ class EngineWriter(Protocol):
         Raises:
             SyncError: (a subclass) with `engine` set to what the engine holds afterwards.
         """
-        ...
-
-    def finish(self) -> None:
-        """After a complete push: drop state derived from the old weights (prefix cache)."""
-        ...
-
-    def engine_layout(self) -> EngineLayout:
-        """Where the engine loads each checkpoint tensor and which of its modules own parameters (read once per
-        plan, by the delta grouping and by `verify`)."""
-        ...
-
-    def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
-        """The engine's own sha256 digests per parameter, one dict per engine replica, and whether the engine
-        shards weights over workers (then none can be compared)."""
         ...
 
 

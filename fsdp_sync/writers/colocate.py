@@ -30,7 +30,8 @@ from fsdp_sync.compat.engine_api import (
 )
 from fsdp_sync.compat.load_probe import Landing, probe_loads, reload_gaps
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
-from fsdp_sync.compat.patch_api import EnginePatch, EnginePatcher, patch_loader, patch_refusals
+from fsdp_sync.compat.patch_api import EnginePatch, patch_loader, patch_refusals
+from fsdp_sync.compat.patch_write import EnginePatcher
 from fsdp_sync.compat.reload_api import eager_reload_tensors, finalize_failed_reload, load_dtypes
 from fsdp_sync.compat.vllm_patches import quiet_partial_reload, refresh_tied_cpu_gemms
 
@@ -57,7 +58,7 @@ class ColocateWriter:
     """
 
     pushes = True
-    patches_everywhere = True
+    engine_per_rank = True
 
     def __init__(self, llm: Any, *, checkpoint_dir: str | None = None, wake_up_first: bool = False) -> None:
         self.handle: EngineHandle = engine_handle(llm)

@@ -271,7 +271,7 @@ class ServerWriter:
         self._source: PlanSource | None = None
         self._engine: Any = None
         self._round_open = False
-        self.patches_everywhere = False
+        self.engine_per_rank = False
         # `time.monotonic()` by which every wait of the current sync ends (`bound`).
         self._deadline: float | None = None
         self._versions = ServerVersions(client) if client is not None else None

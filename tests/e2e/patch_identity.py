@@ -32,7 +32,8 @@ def main(out: Path) -> None:
 
     from fsdp_sync._demo.models import build_tiny_checkpoint, read_checkpoint
     from fsdp_sync.compat.engine_api import engine_handle, engine_naming
-    from fsdp_sync.compat.patch_api import EnginePatch, apply_patches
+    from fsdp_sync.compat.patch_api import EnginePatch
+    from fsdp_sync.compat.patch_write import apply_patches
     from fsdp_sync.writers import ColocateWriter
 
     base_dir = build_tiny_checkpoint(out / "base", "qwen2")

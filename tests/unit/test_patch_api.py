@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from fsdp_sync.compat.engine_api import EngineNaming
-from fsdp_sync.compat.patch_api import EnginePatch, PatchTarget, apply_patches, find_patch_targets
+from fsdp_sync.compat.patch_api import EnginePatch, PatchTarget, find_patch_targets
+from fsdp_sync.compat.patch_write import apply_patches
 
 
 class Fused(torch.nn.Module):

@@ -66,7 +66,7 @@ class Engine:
     pushes = True
     engine_dtype = torch.bfloat16
     retains_tensors = False
-    patches_everywhere = True
+    engine_per_rank = True
 
     def __init__(self, tensors: dict[str, torch.Tensor], *, refuse: str | None = None) -> None:
         self.weights: dict[str, torch.Tensor] = {}
