@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .kernels.runtime import PointerTable, jit
+from .kernels.runtime import PointerTable
 
 __all__ = ["BitSums", "words"]
 
@@ -82,6 +82,6 @@ class BitSums:
         search = max(1, count.bit_length())
         from .kernels.sums_triton import bit_sums_kernel
 
-        jit(bit_sums_kernel)[(chunks,)](table, count, out, PERIOD=self.period, BLOCK=_BLOCK, STEPS=_STEPS,
-                                           SEARCH=search, num_warps=_WARPS)  # fmt: skip
+        bit_sums_kernel[(chunks,)](table, count, out, PERIOD=self.period, BLOCK=_BLOCK, STEPS=_STEPS, SEARCH=search,
+                                   num_warps=_WARPS)  # fmt: skip
         return out

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HostReadback", "PointerTable", "interpreting", "jit", "triton_importable", "usable"]
+__all__ = ["HostReadback", "PointerTable", "interpreting", "triton_importable", "usable"]
 
 
 @functools.cache
@@ -44,20 +43,6 @@ def usable(device: torch.device) -> bool:
     if device.type == "cuda":
         return triton_importable()
     return device.type == "cpu" and interpreting()
-
-
-def jit(kernel: Callable[..., Any]) -> Any:
-    """`kernel` (a plain function of a module that imports `triton.language as tl`) decorated with `triton.jit`, for
-    the compiler or, under `TRITON_INTERPRET=1`, for the interpreter."""
-    return _jitted(kernel, interpreting())
-
-
-@functools.cache
-def _jitted(kernel: Callable[..., Any], interpret: bool) -> Any:
-    # NOTE: one decoration per mode (`interpret` is the cache key): Triton reads the mode when it decorates.
-    import triton
-
-    return triton.jit(kernel)
 
 
 class PointerTable:

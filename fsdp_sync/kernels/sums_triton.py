@@ -1,12 +1,14 @@
 """The Triton source of `fsdp_sync.bitsums` (the delta check's fingerprint kernel); imported only where Triton is.
 
-The function is decorated by `fsdp_sync.kernels.runtime.jit`, once for the compiler and once for the interpreter:
-Triton decides the mode when a function is decorated, and its interpreter finds `tl` among the module's globals.
+Triton decides between its compiler and its interpreter (`TRITON_INTERPRET=1`) when it is imported, for its own
+library as for these kernels, so this module is imported where a kernel first runs and no earlier.
 """
 
+import triton
 import triton.language as tl
 
 
+@triton.jit
 def bit_sums_kernel(
     table, count, out, PERIOD: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr, SEARCH: tl.constexpr
 ):
