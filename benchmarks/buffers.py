@@ -38,7 +38,7 @@ def _fused_name(name: str) -> tuple[str, int]:
 
 
 class FusedBuffersWriter:
-    """Writer into engine-layout buffers (each tensor into its block, cast to `dtype`; `copies`: how, see `CopyPlan`)."""
+    """Writer into engine-layout buffers: each tensor into its block, cast to `dtype` (`copies`: how; `CopyPlan`)."""
 
     kind = "buffers:vllm-fused-layout"
     pushes = True

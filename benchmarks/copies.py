@@ -58,17 +58,22 @@ class CopyPlan:
         pending_bytes = 0
         graphed = self.mode == "graph"
         key: list[tuple[int, int, int, torch.dtype]] = []
+        destinations = self.destinations
         for name, tensor in weights:
-            destination = self.destinations[name]
-            dsts, srcs = pending.setdefault((tensor.dtype, destination.dtype), ([], []))
-            dsts.append(destination)
-            srcs.append(tensor)
-            pending_bytes += tensor.numel() * tensor.element_size()
+            destination = destinations[name]
+            pair = (tensor.dtype, destination.dtype)
+            lists = pending.get(pair)
+            if lists is None:
+                lists = pending[pair] = ([], [])
+            lists[0].append(destination)
+            lists[1].append(tensor)
             if graphed:
                 key.append((tensor.data_ptr(), destination.data_ptr(), tensor.numel(), tensor.dtype))
-            elif pending_bytes >= self.flush_bytes:
-                _issue(pending)
-                pending_bytes = 0
+            else:
+                pending_bytes += tensor.numel() * tensor.element_size()
+                if pending_bytes >= self.flush_bytes:
+                    _issue(pending)
+                    pending_bytes = 0
         now = tuple(key)
         if graphed and self._graph is not None and now == self._graph_key:
             self._graph.replay()

@@ -7,7 +7,10 @@
     python -m benchmarks.run sparse [--reps 6] [--models ...]   (bf16 elements changed per Adam step; sparse vs dense)
     python -m benchmarks.run sparse-sync [--steps 5] [--models ...] [--modes server,colocate]   (whole syncs into vLLM)
     python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU; on CPU
-        ranks, e.g. `--models qwen2-1.5b-layout --world-size 1`, it writes gpu-cpu.*: the host work alone)
+        ranks, e.g. `--models qwen2-layout --world-size 1`, it writes gpu-cpu.*: the host work alone)
+    python -m benchmarks.run kernels [--reps 5] [--models qwen2-7b] [--sources bfloat16,float32]   (the check and
+        sparse extraction alone, against their floors; on CPU ranks only under TRITON_INTERPRET=1, tiny shapes)
+    python -m benchmarks.run gpu-suite   (what a GPU session runs: gpu --check, delta --engine buffers, kernels)
     python -m benchmarks.run report [--results benchmarks/results]
 
 Each writes `<results>/<kind>.json` (raw rows), `<kind>.md` (table) and `<kind>.png` (time and peak memory).
@@ -225,7 +228,7 @@ def _gpu(args: argparse.Namespace) -> None:
             rows.extend(rank_rows)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (smoke test)"
     machine = f"{world}x {device}, {backend}, torch {torch.__version__}"
-    # NOTE: a run on CPU ranks (a smoke test, or the host work of `qwen2-1.5b-layout`) never replaces the GPU tables.
+    # NOTE: a run on CPU ranks (a smoke test, or the host work of `qwen2-layout`) never replaces the GPU tables.
     kind = ("gpu" if world == 1 else f"gpu{world}") + ("" if torch.cuda.is_available() else "-cpu")
     _write(kind, rows, args.results, machine)
     replays = [r for r in rows if "graph_replays" in r and r["rank"] == 0]
@@ -234,6 +237,36 @@ def _gpu(args: argparse.Namespace) -> None:
     with (args.results / f"{kind}.md").open("a") as md:
         md.write("\n" + "\n".join(notes) + "\n")
     print("\n".join(notes))
+
+
+def _kernels(args: argparse.Namespace) -> None:
+    import torch
+
+    from .kernels import kernels_rows, kernels_table
+
+    sources = [getattr(torch, name) for name in args.sources.split(",")]
+    rows = kernels_rows(args.models.split(","), sources, args.reps)
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else f"{platform.machine()} CPU (smoke test, Triton interpreter)"
+    machine = f"{device}, torch {torch.__version__}"
+    kind = "kernels" if cuda else "kernels-cpu"
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"{kind}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    text = f"Machine: {machine}\n\n{kernels_table(rows)}\n"
+    (args.results / f"{kind}.md").write_text(text)
+    print(text)
+
+
+def _gpu_suite(args: argparse.Namespace) -> None:
+    """The GPU figures of issue 29 in one command: each part as its own subcommand would run it."""
+    parts = [
+        ["gpu", "--models", "qwen2-1.5b,qwen2-7b", "--check"],
+        ["delta", "--engine", "buffers", "--models", "qwen2-1.5b,qwen2-7b"],
+        ["kernels", "--models", "qwen2-7b,qwen2-1.5b"],
+    ]
+    for part in parts:
+        print(f"== python -m benchmarks.run {' '.join(part)} --reps {args.reps}", flush=True)
+        main([*part, "--reps", str(args.reps), "--results", str(args.results)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,10 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_argument("--models", default="qwen2-1.5b,qwen2-7b")
     gpu.add_argument("--world-size", type=int, default=0)
     gpu.add_argument("--check", action="store_true", help="verify the engine buffers bit for bit after each method")
+    kernels = sub.add_parser("kernels")
+    kernels.add_argument("--models", default="qwen2-7b")
+    kernels.add_argument("--sources", default="bfloat16,float32")
+    suite = sub.add_parser("gpu-suite")
     rep = sub.add_parser("report")
     rep.add_argument("--kind", default="cpu")
     sparse_sync.add_argument("--results", type=Path, default=RESULTS)
-    for p in (cpu, server, safety, delta, sparse, gpu, rep):
+    for p in (cpu, server, safety, delta, sparse, gpu, kernels, suite, rep):
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -281,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
             _sparse_sync(args)
         case "gpu":
             _gpu(args)
+        case "kernels":
+            _kernels(args)
+        case "gpu-suite":
+            _gpu_suite(args)
         case "report":
             _report(args.kind if args.kind != "report" else "cpu", args.results)
     return 0

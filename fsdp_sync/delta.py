@@ -262,6 +262,7 @@ class DeltaTracker:
         self._reference: tuple[tuple[str, ...], torch.Tensor] | None = None
         self._fingerprints = Fingerprinter()
         self._readback = HostReadback()
+        self._unchanged: Selection | None = None
         self._primed = False
 
     def widen(self, names: set[str]) -> frozenset[str]:
@@ -334,6 +335,13 @@ class DeltaTracker:
     def select(self, changed: Iterable[str]) -> Selection:
         """The delta selection: the always-sent tensors plus whatever the changed skipped weights widen to."""
         changed = tuple(sorted(changed))
+        if not changed:  # the common case, the same every sync: made once (a walk over every tensor)
+            if self._unchanged is None:
+                self._unchanged = self._select(())
+            return self._unchanged
+        return self._select(changed)
+
+    def _select(self, changed: tuple[str, ...]) -> Selection:
         extra = {t.name for t in self.tensors if set(t.sources) & set(changed)}
         sent = self.always | self.widen(extra) if extra else self.always
         tensors = tuple(t for t in self.tensors if t.name in sent)

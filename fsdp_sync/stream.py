@@ -282,7 +282,8 @@ class StreamPass:
                     fault_point("stream.cast", name=target)
                     for name, converted in stream.layout.convert(target, tensor):
                         cast_to = dtype if (dtype is not None and converted.is_floating_point()) else converted.dtype
-                        owned = converted.to(dtype=cast_to, copy=copy and not fresh)
+                        keep = converted.dtype == cast_to and not (copy and not fresh)  # `.to` would return it
+                        owned = converted if keep else converted.to(dtype=cast_to, copy=copy and not fresh)
                         if owned is not converted:
                             meter.hold_until_freed(owned)
                         self.bytes += owned.numel() * owned.element_size()
