@@ -11,25 +11,13 @@ piece starts in its full tensor.
 import triton
 import triton.language as tl
 
+from .table_triton import row_of
+
 # How the new values are compared with the snapshot: their bits as they are (16 or 32 bits), or float32 values cast
 # to bfloat16 first (round to nearest even, as torch casts).
 SAME_16 = 0
 SAME_32 = 1
 BF16_OF_FP32 = 2
-
-
-@triton.jit
-def _piece_of(table, count, chunk, SEARCH: tl.constexpr):
-    """The last piece whose first chunk is at or before `chunk` (a binary search of SEARCH dependent loads)."""
-    lo = chunk * 0
-    hi = lo + count
-    for _ in tl.static_range(SEARCH):
-        mid = (lo + hi) // 2
-        first = tl.load(table + 3 * count + mid, mask=mid < count, other=chunk + 1)
-        at_or_before = (first <= chunk) & (hi - lo > 1)
-        lo = tl.where(at_or_before, mid, lo)
-        hi = tl.where(at_or_before | (hi - lo <= 1), hi, mid)
-    return lo
 
 
 @triton.jit
@@ -65,7 +53,7 @@ def diff_kernel(
         chunk = tl.load(ids + program)
     else:
         chunk = program
-    k = _piece_of(table, count, chunk, SEARCH)
+    k = row_of(table + 3 * count, count, chunk, SEARCH)
     n = tl.load(table + 2 * count + k)
     local = (chunk - tl.load(table + 3 * count + k)) * CHUNK
     offsets = local + tl.arange(0, CHUNK)
@@ -136,7 +124,7 @@ def compact_kernel(
     chunk = tl.program_id(0).to(tl.int64)
     c = tl.load(chunk_counts + chunk).to(tl.int64)
     if c > 0:
-        k = _piece_of(table, count, chunk, SEARCH)
+        k = row_of(table + 3 * count, count, chunk, SEARCH)
         first = (chunk - tl.load(table + 3 * count + k)) * CHUNK + tl.load(table + 4 * count + k)
         base = tl.load(chunk_base + chunk)
         to = tl.load(chunk_end + chunk) - c

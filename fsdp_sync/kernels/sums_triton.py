@@ -7,6 +7,8 @@ library as for these kernels, so this module is imported where a kernel first ru
 import triton
 import triton.language as tl
 
+from .table_triton import row_of
+
 
 @triton.jit
 def bit_sums_kernel(
@@ -15,15 +17,7 @@ def bit_sums_kernel(
     # `table` rows: address, words, first chunk of each tensor (3 x count int64). This program's chunk is the
     # last tensor whose first chunk is at or before it.
     program = tl.program_id(0).to(tl.int64)
-    lo = program * 0
-    hi = lo + count
-    for _ in tl.static_range(SEARCH):
-        mid = (lo + hi) // 2
-        first = tl.load(table + 2 * count + mid, mask=mid < count, other=program + 1)
-        at_or_before = (first <= program) & (hi - lo > 1)
-        lo = tl.where(at_or_before, mid, lo)
-        hi = tl.where(at_or_before | (hi - lo <= 1), hi, mid)
-    k = lo
+    k = row_of(table + 2 * count, count, program, SEARCH)
     words = tl.load(table + k).to(tl.pointer_type(tl.int64))
     n = tl.load(table + count + k)
     chunk = (program - tl.load(table + 2 * count + k)) * (BLOCK * STEPS)
