@@ -158,11 +158,13 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _fits(shapes: dict[str, tuple[int, ...]], source: torch.dtype, device: torch.device) -> bool:
-    """Whether the extraction rows fit on the device: the sources, two snapshots, and a share of patches."""
+    """Whether the extraction rows fit on the device: the sources, two snapshots, both methods' patches, and the
+    temporaries of the largest tensor (its random mask, the torch path's cast)."""
     if device.type != "cuda":
         return True
-    numel = sum(torch.Size(s).numel() for s in shapes.values())
-    need = numel * (source.itemsize + 2 * 2) + max(SHARES) * numel * 2 * 10
+    sizes = [torch.Size(s).numel() for s in shapes.values()]
+    numel = sum(sizes)
+    need = numel * (source.itemsize + 2 * 2) + max(SHARES) * numel * 2 * 10 + max(sizes) * 12
     free, _ = torch.cuda.mem_get_info(device)
     return need < 0.85 * free
 

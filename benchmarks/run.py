@@ -3,7 +3,8 @@
     python -m benchmarks.run cpu [--reps 5] [--models qwen2-36m,qwen2-150m]
     python -m benchmarks.run server [--reps 5] [--models qwen2-36m,qwen2-150m]   (starts a vLLM CPU server per model)
     python -m benchmarks.run safety [--reps 5] [--models qwen2-36m,qwen2-150m]   (cost of check_finite and verify)
-    python -m benchmarks.run delta [--reps 5] [--models ...] [--engine cpu|buffers]   (delta vs complete vs TRL LoRA)
+    python -m benchmarks.run delta [--reps 5] [--models ...] [--engine cpu|buffers] [--copies loop|batched|graph]
+        (delta vs complete vs TRL LoRA)
     python -m benchmarks.run sparse [--reps 6] [--models ...]   (bf16 elements changed per Adam step; sparse vs dense)
     python -m benchmarks.run sparse-sync [--steps 5] [--models ...] [--modes server,colocate]   (whole syncs into vLLM)
     python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU; on CPU
@@ -101,10 +102,10 @@ def _delta(args: argparse.Namespace) -> None:
         for name in args.models.split(","):
             model_dir = str(build_tiny_checkpoint(Path(tmp) / name, CPU_SHAPES[name])) if args.engine == "cpu" else None
             backend = "nccl" if gpu else "gloo"
-            for rank_rows in run_distributed(delta_worker, name, model_dir, args.reps, args.engine, world_size=world,
-                                             backend=backend):  # fmt: skip
+            for rank_rows in run_distributed(delta_worker, name, model_dir, args.reps, args.engine, args.copies,
+                                             world_size=world, backend=backend):  # fmt: skip
                 rows.extend(rank_rows)
-    engine = "vLLM CPU engine in each rank" if args.engine == "cpu" else "engine-layout buffers"
+    engine = "vLLM CPU engine in each rank" if args.engine == "cpu" else f"engine-layout buffers ({args.copies} copies)"
     device = torch.cuda.get_device_name(0) if gpu else f"{platform.machine()} CPU, {os.cpu_count()} cores"
     machine = f"{device}, {world} rank(s), {engine}, torch {torch.__version__}"
     args.results.mkdir(parents=True, exist_ok=True)
@@ -282,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     delta.add_argument("--models", default="qwen2-36m,qwen2-150m")
     delta.add_argument("--engine", choices=["cpu", "buffers"], default="cpu")
     delta.add_argument("--world-size", type=int, default=0)
+    delta.add_argument("--copies", choices=["loop", "batched", "graph"], default="batched",
+                       help="how the engine-layout buffers are filled (--engine buffers)")
     sparse_sync = sub.add_parser("sparse-sync")
     sparse_sync.add_argument("--models", default="qwen2-36m,qwen2-150m")
     sparse_sync.add_argument("--modes", default="server,colocate")
