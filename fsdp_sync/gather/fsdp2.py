@@ -382,7 +382,7 @@ class FSDP2FlatGatherer(FlatBase):
         """A local shard on the compute device, in the wire dtype (under `_prepare`'s no_grad)."""
         if self.compute_device is not None:
             local = local.to(self.compute_device)
-        return local.to(slot.dtype)
+        return local if local.dtype == slot.dtype else local.to(slot.dtype)
 
     def _local(self, slot: _Slot) -> torch.Tensor:
         """This rank's shard of one parameter as a 1-D tensor of `slot.rows` rows in its wire dtype (padded if
