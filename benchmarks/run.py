@@ -109,7 +109,8 @@ def _delta(args: argparse.Namespace) -> None:
     device = torch.cuda.get_device_name(0) if gpu else f"{platform.machine()} CPU, {os.cpu_count()} cores"
     machine = f"{device}, {world} rank(s), {engine}, torch {torch.__version__}"
     args.results.mkdir(parents=True, exist_ok=True)
-    kind = f"delta-{args.engine}"
+    # NOTE: the engine-layout buffers on CPU ranks (a smoke test) never replace the GPU table.
+    kind = "delta-cpu" if args.engine == "cpu" else ("delta-gpu" if gpu else "delta-buffers-cpu")
     (args.results / f"{kind}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
     text = f"Machine: {machine}\n\n{delta_table(rows)}\n"
     (args.results / f"{kind}.md").write_text(text)
