@@ -12,6 +12,5 @@ CUDA = torch.cuda.is_available()
 # Every kernel test module sets `pytestmark = needs_kernels`.
 needs_kernels = pytest.mark.skipif(
     not (runtime.triton_importable() and (CUDA or runtime.interpreting())),
-    reason="needs CUDA and Triton, or Triton's interpreter (TRITON_INTERPRET=1 before Triton is imported: "
-    "tests/unit/test_kernels_interpreted.py runs these tests so on a machine without CUDA)",
+    reason="needs CUDA, or Triton's interpreter from the start (tests/unit/test_kernels_interpreted.py runs it)",
 )
