@@ -2,16 +2,21 @@
 
 vLLM stores `q_proj`, `k_proj`, `v_proj` as row blocks of one `qkv_proj` tensor and `gate_proj`, `up_proj` as row
 blocks of `gate_up_proj`; its loaders copy each checkpoint tensor into its block (casting to the engine dtype).
-This writer does exactly that copy, so a sync into it moves the bytes a sync into a GPU engine moves, without vLLM.
+This writer does that copy, so a sync into it moves the bytes a sync into a GPU engine moves, without vLLM: one
+`copy_` per tensor as vLLM's loaders (`copies="loop"`), or batched as an engine that takes its weights in place could
+(`"batched"`, `"graph"`: `copies.CopyPlan`).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor, TensorSpec
+
+from .copies import CopyPlan
 
 __all__ = ["FusedBuffersWriter", "VLLM_PACKED"]
 
@@ -33,13 +38,19 @@ def _fused_name(name: str) -> tuple[str, int]:
 
 
 class FusedBuffersWriter:
-    """Writer into engine-layout buffers (`copy_` into each tensor's block, casting to `dtype`)."""
+    """Writer into engine-layout buffers: each tensor into its block, cast to `dtype` (`copies`: how; `CopyPlan`)."""
 
     kind = "buffers:vllm-fused-layout"
     pushes = True
-    retains_tensors = False  # each tensor is copied into its block before the next one is taken
 
-    def __init__(self, specs: dict[str, TensorSpec], *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        specs: dict[str, TensorSpec],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        copies: str = "loop",
+    ) -> None:
         self.specs = specs
         self.engine_dtype = dtype
         parts: dict[str, list[tuple[int, str, TensorSpec]]] = {}
@@ -58,6 +69,18 @@ class FusedBuffersWriter:
             for _, name, spec in items:
                 self.slots[name] = buffer.narrow(0, offset, spec.shape[0])
                 offset += spec.shape[0]
+        self.copies = CopyPlan(self.slots, mode=copies)
+
+    def copying(self, copies: str) -> FusedBuffersWriter:
+        """A writer into these same buffers that copies another way (methods side by side on one engine)."""
+        other = copy.copy(self)
+        other.copies = CopyPlan(self.slots, mode=copies)
+        return other
+
+    @property
+    def retains_tensors(self) -> bool:
+        """Whether tensors are held past the next one (batched copies): the sync then copies those a gatherer frees."""
+        return self.copies.mode != "loop"
 
     @property
     def nbytes(self) -> int:
@@ -69,10 +92,8 @@ class FusedBuffersWriter:
     def prepare(self, planned: Sequence[PlannedTensor]) -> None:
         """Nothing to announce."""
 
-    @torch.no_grad()
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in weights:
-            self.slots[name].copy_(tensor)
+        self.copies.copy(weights)
 
     def engine_layout(self):  # type: ignore[no-untyped-def]
         from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming

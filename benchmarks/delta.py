@@ -8,7 +8,8 @@ Methods, interleaved: `ours-complete` (SyncConfig(delta=False): every tensor), `
 change, with the check of the skipped weights; its check time is reported apart), `ours-delta-nocheck`
 (delta_check=False), and `trl` (TRL 1.16's LoRA path: `merge_adapter()`, its own FSDP2 walk with one engine call per
 tensor, `unmerge_adapter()`; FSDP2 only: under FSDP1 it merges into shards and fails, see docs/design.md). The engine
-is the real vLLM CPU engine in each rank (`cpu`), or the engine-layout buffers of the GPU benchmark (`buffers`).
+is the real vLLM CPU engine in each rank (`cpu`), or the engine-layout buffers of the GPU benchmark (`buffers`,
+filled batched unless `--copies` says otherwise; `copies.CopyPlan`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _trl_lora(wrapped: torch.nn.Module, push_one: Any, device: torch.device) -> 
 
 
 def delta_worker(
-    rank: int, world_size: int, model_name: str, model_dir: str | None, reps: int, engine: str
+    rank: int, world_size: int, model_name: str, model_dir: str | None, reps: int, engine: str, copies: str = "batched"
 ) -> list[dict[str, Any]]:
     from fsdp_sync.compat.manifest import TensorSpec
 
@@ -103,8 +104,9 @@ def delta_worker(
                 from .buffers import FusedBuffersWriter
 
                 specs = {n: TensorSpec(tuple(p.shape), p.dtype) for n, p in base.named_parameters()}
-                writer = FusedBuffersWriter(specs, dtype=torch.bfloat16, device=device)
-                push_one = writer.write
+                # Ours copy as `copies` says (`copies.CopyPlan`); TRL's path one engine call per tensor, as into vLLM.
+                writer = FusedBuffersWriter(specs, dtype=torch.bfloat16, device=device, copies=copies)
+                push_one = writer.copying("loop").write
             wrapped = _wrap(_peft_model(base, TARGETS[targets]), backend, device)
             rows += _measure(wrapped, writer, push_one, backend, targets, model_name, reps, rank, world_size, device)
             del base, wrapped

@@ -3,6 +3,11 @@
 Runs on any number of GPUs (one process each). Per model and backend: TRL 1.16's path (its own gather code, one
 engine copy per tensor), each of our strategies, and the floor: one flat device-to-device copy of the same bytes,
 measured in the same run. With `check`, every method's result is compared bit for bit with the full weights.
+
+The engine's copies (`copies.CopyPlan`): the default strategy (`ours-flat`) writes batched, one `_foreach_copy_` per
+dtype pair; `ours-flat-loop` is the same sync with one `copy_` per tensor (as vLLM's loaders copy, and as every row
+did before), `ours-flat-graph` replays a CUDA graph of the copies once their addresses repeat; the other strategies
+and TRL's path copy per tensor.
 """
 
 from __future__ import annotations
@@ -65,15 +70,20 @@ def _measure_backend(
                                   compute_device=device) for s in OURS[backend]}
     plan = build_plan(gatherers[OURS[backend][0]], NameRules(), IdentityLayout())
     writer = FusedBuffersWriter({t.name: t.spec for t in plan.tensors}, dtype=torch.bfloat16, device=device)
-    syncs = {s: WeightSync(g, writer, backend=backend, device=device) for s, g in gatherers.items()}
+    writers = {copies: writer.copying(copies) for copies in ("batched", "graph")}
+
+    def flat() -> Any:
+        return make_gatherer(wrapped, detected, _config(backend, "flat"), engine_dtype=torch.bfloat16,
+                             compute_device=device)  # fmt: skip
+
+    syncs = {s: WeightSync(g, writers["batched"] if s == "flat" else writer, backend=backend, device=device)
+             for s, g in gatherers.items()}  # fmt: skip
     # The default without its status rounds (what the failure protocol costs, docs/failures.md):
     # benchmark-side only, the same sync with its coordinator's rounds answered locally.
-    syncs["flat-norounds"] = WeightSync(
-        make_gatherer(wrapped, detected, _config(backend, "flat"), engine_dtype=torch.bfloat16,
-                      compute_device=device),
-        writer, backend=backend, device=device,
-    )  # fmt: skip
+    syncs["flat-norounds"] = WeightSync(flat(), writers["batched"], backend=backend, device=device)
     syncs["flat-norounds"].coordinator.rounds_group = None  # its rounds are then answered locally
+    syncs["flat-loop"] = WeightSync(flat(), writer, backend=backend, device=device)
+    syncs["flat-graph"] = WeightSync(flat(), writers["graph"], backend=backend, device=device)
     expected = None
     if check:
         full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
@@ -126,6 +136,8 @@ def _measure_backend(
     for strategy, sync in syncs.items():
         rows.append({"model": model_name, "backend": backend, "method": f"ours-{strategy}",
                      "accounted_peak_bytes": sync.meter.accounted_peak_bytes, "rank": rank})
+    rows.append({"model": model_name, "backend": backend, "method": "ours-flat-graph", "rank": rank,
+                 "graph_replays": writers["graph"].copies.replays})  # fmt: skip
     return rows
 
 

@@ -3,10 +3,15 @@
     python -m benchmarks.run cpu [--reps 5] [--models qwen2-36m,qwen2-150m]
     python -m benchmarks.run server [--reps 5] [--models qwen2-36m,qwen2-150m]   (starts a vLLM CPU server per model)
     python -m benchmarks.run safety [--reps 5] [--models qwen2-36m,qwen2-150m]   (cost of check_finite and verify)
-    python -m benchmarks.run delta [--reps 5] [--models ...] [--engine cpu|buffers]   (delta vs complete vs TRL LoRA)
+    python -m benchmarks.run delta [--reps 5] [--models ...] [--engine cpu|buffers] [--copies loop|batched|graph]
+        (delta vs complete vs TRL LoRA)
     python -m benchmarks.run sparse [--reps 6] [--models ...]   (bf16 elements changed per Adam step; sparse vs dense)
     python -m benchmarks.run sparse-sync [--steps 5] [--models ...] [--modes server,colocate]   (whole syncs into vLLM)
-    python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU)
+    python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU; on CPU
+        ranks, e.g. `--models qwen2-layout --world-size 1`, it writes gpu-cpu.*: the host work alone)
+    python -m benchmarks.run kernels [--reps 5] [--models qwen2-7b] [--sources bfloat16,float32]   (the check and
+        sparse extraction alone, against their floors; on CPU ranks only under TRITON_INTERPRET=1, tiny shapes)
+    python -m benchmarks.run gpu-suite   (what a GPU session runs: gpu --check, delta --engine buffers, kernels)
     python -m benchmarks.run report [--results benchmarks/results]
 
 Each writes `<results>/<kind>.json` (raw rows), `<kind>.md` (table) and `<kind>.png` (time and peak memory).
@@ -97,14 +102,15 @@ def _delta(args: argparse.Namespace) -> None:
         for name in args.models.split(","):
             model_dir = str(build_tiny_checkpoint(Path(tmp) / name, CPU_SHAPES[name])) if args.engine == "cpu" else None
             backend = "nccl" if gpu else "gloo"
-            for rank_rows in run_distributed(delta_worker, name, model_dir, args.reps, args.engine, world_size=world,
-                                             backend=backend):  # fmt: skip
+            for rank_rows in run_distributed(delta_worker, name, model_dir, args.reps, args.engine, args.copies,
+                                             world_size=world, backend=backend):  # fmt: skip
                 rows.extend(rank_rows)
-    engine = "vLLM CPU engine in each rank" if args.engine == "cpu" else "engine-layout buffers"
+    engine = "vLLM CPU engine in each rank" if args.engine == "cpu" else f"engine-layout buffers ({args.copies} copies)"
     device = torch.cuda.get_device_name(0) if gpu else f"{platform.machine()} CPU, {os.cpu_count()} cores"
     machine = f"{device}, {world} rank(s), {engine}, torch {torch.__version__}"
     args.results.mkdir(parents=True, exist_ok=True)
-    kind = f"delta-{args.engine}"
+    # NOTE: the engine-layout buffers on CPU ranks (a smoke test) never replace the GPU table.
+    kind = "delta-cpu" if args.engine == "cpu" else ("delta-gpu" if gpu else "delta-buffers-cpu")
     (args.results / f"{kind}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
     text = f"Machine: {machine}\n\n{delta_table(rows)}\n"
     (args.results / f"{kind}.md").write_text(text)
@@ -224,7 +230,45 @@ def _gpu(args: argparse.Namespace) -> None:
             rows.extend(rank_rows)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (smoke test)"
     machine = f"{world}x {device}, {backend}, torch {torch.__version__}"
-    _write("gpu" if world == 1 else f"gpu{world}", rows, args.results, machine)
+    # NOTE: a run on CPU ranks (a smoke test, or the host work of `qwen2-layout`) never replaces the GPU tables.
+    kind = ("gpu" if world == 1 else f"gpu{world}") + ("" if torch.cuda.is_available() else "-cpu")
+    _write(kind, rows, args.results, machine)
+    replays = [r for r in rows if "graph_replays" in r and r["rank"] == 0]
+    notes = [f"- {r['model']} {r['backend']}: ours-flat-graph replayed its CUDA graph in {r['graph_replays']} of "
+             f"{args.reps + 1} syncs" for r in replays]  # fmt: skip
+    with (args.results / f"{kind}.md").open("a") as md:
+        md.write("\n" + "\n".join(notes) + "\n")
+    print("\n".join(notes))
+
+
+def _kernels(args: argparse.Namespace) -> None:
+    import torch
+
+    from .kernels import kernels_rows, kernels_table
+
+    sources = [getattr(torch, name) for name in args.sources.split(",")]
+    rows = kernels_rows(args.models.split(","), sources, args.reps)
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else f"{platform.machine()} CPU (smoke test, Triton interpreter)"
+    machine = f"{device}, torch {torch.__version__}"
+    kind = "kernels" if cuda else "kernels-cpu"
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"{kind}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    text = f"Machine: {machine}\n\n{kernels_table(rows)}\n"
+    (args.results / f"{kind}.md").write_text(text)
+    print(text)
+
+
+def _gpu_suite(args: argparse.Namespace) -> None:
+    """The GPU figures of issue 29 in one command: each part as its own subcommand would run it."""
+    parts = [
+        ["gpu", "--models", "qwen2-1.5b,qwen2-7b", "--check"],
+        ["delta", "--engine", "buffers", "--models", "qwen2-1.5b,qwen2-7b"],
+        ["kernels", "--models", "qwen2-7b,qwen2-1.5b"],
+    ]
+    for part in parts:
+        print(f"== python -m benchmarks.run {' '.join(part)} --reps {args.reps}", flush=True)
+        main([*part, "--reps", str(args.reps), "--results", str(args.results)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     delta.add_argument("--models", default="qwen2-36m,qwen2-150m")
     delta.add_argument("--engine", choices=["cpu", "buffers"], default="cpu")
     delta.add_argument("--world-size", type=int, default=0)
+    delta.add_argument("--copies", choices=["loop", "batched", "graph"], default="batched",
+                       help="how the engine-layout buffers are filled (--engine buffers)")
     sparse_sync = sub.add_parser("sparse-sync")
     sparse_sync.add_argument("--models", default="qwen2-36m,qwen2-150m")
     sparse_sync.add_argument("--modes", default="server,colocate")
@@ -250,10 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_argument("--models", default="qwen2-1.5b,qwen2-7b")
     gpu.add_argument("--world-size", type=int, default=0)
     gpu.add_argument("--check", action="store_true", help="verify the engine buffers bit for bit after each method")
+    kernels = sub.add_parser("kernels")
+    kernels.add_argument("--models", default="qwen2-7b")
+    kernels.add_argument("--sources", default="bfloat16,float32")
+    suite = sub.add_parser("gpu-suite")
     rep = sub.add_parser("report")
     rep.add_argument("--kind", default="cpu")
     sparse_sync.add_argument("--results", type=Path, default=RESULTS)
-    for p in (cpu, server, safety, delta, sparse, gpu, rep):
+    for p in (cpu, server, safety, delta, sparse, gpu, kernels, suite, rep):
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -272,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             _sparse_sync(args)
         case "gpu":
             _gpu(args)
+        case "kernels":
+            _kernels(args)
+        case "gpu-suite":
+            _gpu_suite(args)
         case "report":
             _report(args.kind if args.kind != "report" else "cpu", args.results)
     return 0

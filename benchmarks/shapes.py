@@ -22,6 +22,13 @@ GPU_SHAPES: dict[str, TinySpec] = {
         family="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
         num_key_value_heads=2, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
     ),
+    # Qwen2-7B's structure (28 layers, an untied head: 339 tensors; 1.5B's has 338) with tiny tensors: on CPU ranks the
+    # sync's time is then its host work, which on the GPU bounds the complete sync at 1.5B (docs/benchmarks.md).
+    # Untied: TRL 1.16's FSDP2 walk fails on this tied one on CPU ranks (a plain parameter where it wants a DTensor).
+    "qwen2-layout": TinySpec(
+        family="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=28, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, vocab_size=256, tie_word_embeddings=False,
+    ),
     # A small shape to smoke-test the GPU benchmark's code on CPU ranks.
     "qwen2-smoke": TinySpec(
         family="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

@@ -10,18 +10,22 @@ reads its chunk of words once and adds the three sums into that tensor's row of 
 which wrap exactly as torch's int64 sums do), so the values are the torch reference's, bit for bit
 (`tests/unit/test_bitsums.py`), and detection is unchanged.
 
-Triton ships with torch's CUDA builds; where it is missing, or for a tensor whose bytes are not a whole number of
-int64 words, the caller falls back to the torch reference.
+The table of addresses, sizes and first chunks is kept between calls (`fsdp_sync.kernels.runtime.PointerTable`):
+the shards a check reads do not move between syncs, so a call costs the kernel, not a table built and copied per
+tensor. Triton ships with torch's CUDA builds; where it is missing, or for a tensor whose bytes are not whole,
+aligned int64 words (`words`), the caller falls back to the torch reference. Under Triton's interpreter
+(`TRITON_INTERPRET=1`) the same kernel runs on CPU tensors: the unit tests compare it with the reference there.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["available", "bit_sums"]
+from .kernels.runtime import PointerTable
+
+__all__ = ["BitSums", "words"]
 
 # Words per step (below the period, so a step's column index wraps at most once), steps per program and warps per
 # program: each program reads STEPS x BLOCK words (64 KiB) of one tensor and adds its three sums with three atomics.
@@ -36,88 +40,48 @@ _WARPS = 4
 _SEARCH = 20
 
 
-@functools.cache
-def _kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def bit_sums_kernel(
-        table, count, out, PERIOD: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr, SEARCH: tl.constexpr
-    ):
-        # `table` rows: address, words, first chunk of each tensor (3 x count int64). This program's chunk is the
-        # last tensor whose first chunk is at or before it.
-        program = tl.program_id(0).to(tl.int64)
-        lo = program * 0
-        hi = lo + count
-        for _ in tl.static_range(SEARCH):
-            mid = (lo + hi) // 2
-            first = tl.load(table + 2 * count + mid, mask=mid < count, other=program + 1)
-            at_or_before = (first <= program) & (hi - lo > 1)
-            lo = tl.where(at_or_before, mid, lo)
-            hi = tl.where(at_or_before | (hi - lo <= 1), hi, mid)
-        k = lo
-        words = tl.load(table + k).to(tl.pointer_type(tl.int64))
-        n = tl.load(table + count + k)
-        chunk = (program - tl.load(table + 2 * count + k)) * (BLOCK * STEPS)
-        index = tl.arange(0, BLOCK)
-        # Per word only adds and one select: with c and r the step's (start mod P, start // P) and w whether a word's
-        # column wrapped, sum(x (c + i - P w)) = c sum(x) + sum_i i (sum over steps of x_i) - P sum(x w), and
-        # sum(x (r + w)) = r sum(x) + sum(x w). int64 arithmetic wraps, so the regrouping is exact.
-        per_index = tl.zeros([BLOCK], dtype=tl.int64)
-        by_column = tl.sum(per_index, axis=0)
-        by_row = by_column
-        for step in tl.static_range(STEPS):
-            start = chunk + step * BLOCK
-            x = tl.load(words + start + index, mask=start + index < n, other=0)
-            c = start % PERIOD
-            in_wrap = tl.where(index >= PERIOD - c, x, 0)  # one wrap at most: BLOCK < P
-            per_index += x
-            step_sum = tl.sum(x, axis=0)
-            wrap_sum = tl.sum(in_wrap, axis=0)
-            by_column += c * step_sum - PERIOD * wrap_sum
-            by_row += (start // PERIOD) * step_sum + wrap_sum
-        by_column += tl.sum(per_index * index.to(tl.int64), axis=0)
-        tl.atomic_add(out + 3 * k, tl.sum(per_index, axis=0))
-        tl.atomic_add(out + 3 * k + 1, by_column)
-        tl.atomic_add(out + 3 * k + 2, by_row)
-
-    return bit_sums_kernel
+def words(tensor: torch.Tensor) -> int | None:
+    """How many int64 words the kernel reads for `tensor`: its bytes where they are contiguous, a whole number of
+    words, and start on a word boundary; else None (the caller takes the torch reference)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes % 8 or tensor.data_ptr() % 8 or not tensor.is_contiguous():
+        return None
+    return nbytes // 8
 
 
-@functools.cache
-def available() -> bool:
-    """Whether the kernel can run here (Triton importable and a CUDA device present)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        _kernel()
-    except ImportError:
-        return False
-    return True
+class BitSums:
+    """The three sums of many tensors' bits in one launch, for one period; the launch's table is kept between calls.
 
+    Args:
+        period: P in the sums (more than the kernel's block of words, so a step's column index wraps at most once).
+    """
 
-def bit_sums(words: list[torch.Tensor], period: int) -> torch.Tensor:
-    """The three sums of each 1-D int64 tensor in `words` (CUDA, one device; kept alive by the caller until the
-    result is read), as a (len(words), 3) int64 tensor, in one launch."""
-    if period <= _BLOCK:
-        raise ValueError(f"period {period} must exceed the block of {_BLOCK} words")
-    if len(words) >= 2**_SEARCH:
-        raise ValueError(f"{len(words)} tensors in one call; at most {2**_SEARCH - 1}")
-    chunk = _BLOCK * _STEPS
-    device = words[0].device
-    out = torch.zeros(len(words), 3, dtype=torch.int64, device=device)
-    firsts, chunks = [], 0
-    for w in words:
-        firsts.append(chunks)
-        chunks += -(-w.numel() // chunk)
-    if not chunks:
+    def __init__(self, period: int) -> None:
+        if period <= _BLOCK:
+            raise ValueError(f"period {period} must exceed the block of {_BLOCK} words")
+        self.period = period
+        self._table = PointerTable()
+
+    def __call__(self, addresses: Sequence[int], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+        """The sums of the int64 words at each address (`sizes` words each, on `device`; the caller keeps the
+        memory alive until the result is read), as a fresh (len(addresses), 3) int64 tensor on `device`."""
+        count = len(addresses)
+        if count >= 2**_SEARCH:
+            raise ValueError(f"{count} tensors in one call; at most {2**_SEARCH - 1}")
+        out = torch.zeros(count, 3, dtype=torch.int64, device=device)
+        chunk = _BLOCK * _STEPS
+        firsts, chunks = [], 0
+        for size in sizes:
+            firsts.append(chunks)
+            chunks += -(-size // chunk)
+        if not chunks:
+            return out
+        table = self._table.get((addresses, sizes, firsts), device)
+        # NOTE: the search's steps as a constant (one compile per power of two of tensors), not the most a call
+        # allows: each step is a dependent load, paid by every program.
+        search = max(1, count.bit_length())
+        from .kernels.sums_triton import bit_sums_kernel
+
+        bit_sums_kernel[(chunks,)](table, count, out, PERIOD=self.period, BLOCK=_BLOCK, STEPS=_STEPS, SEARCH=search,
+                                   num_warps=_WARPS)  # fmt: skip
         return out
-    rows = [[w.data_ptr() for w in words], [w.numel() for w in words], firsts]
-    table = torch.tensor(rows, dtype=torch.int64).to(device)
-    # NOTE: the search's steps as a constant (one compile per power of two of tensors), not the most a call allows:
-    # each step is a dependent load, paid by every program.
-    search = max(1, len(words).bit_length())
-    _kernel()[(chunks,)](table, len(words), out, PERIOD=period, BLOCK=_BLOCK, STEPS=_STEPS, SEARCH=search,
-                         num_warps=_WARPS)  # fmt: skip
-    return out

@@ -37,8 +37,10 @@ from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 from fsdp_sync.compat.manifest import PlannedTensor
 
 from . import bitsums
+from .kernels import runtime as kernels
+from .kernels.runtime import HostReadback
 
-__all__ = ["DeltaTracker", "EngineGroups", "Selection", "fingerprints", "nbytes"]
+__all__ = ["DeltaTracker", "EngineGroups", "Fingerprinter", "Selection", "fingerprints", "nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,35 +104,58 @@ def _positions(device: torch.device, n: int) -> torch.Tensor:
     return cached
 
 
-def _words(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The tensor's bits as 1-D int64 words, where its bytes are a whole number of them (else None)."""
-    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    return raw.view(torch.int64) if raw.numel() % 8 == 0 else None
+class Fingerprinter:
+    """Fingerprints of named tensors as one (n, 3) int64 tensor per call.
 
-
-def fingerprints(shards: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.Tensor]]:
-    """Fingerprints of each named tensor (three int64 values, on the tensor's device), in order.
-
-    NOTE: on CUDA, the tensors of whole int64 words are summed together, one Triton launch per device
-    (`fsdp_sync.bitsums`: the same values as `_sum_fingerprint`, one read of their bits); the rest as `_fingerprint`.
+    Why a class: on CUDA every tensor of whole, aligned int64 words goes into one Triton launch
+    (`fsdp_sync.bitsums`: the same values as `_sum_fingerprint`, one read of their bits) whose table of addresses is
+    kept between calls, so a call's host work is a few integer reads per tensor; results stay on the device. The rest
+    (the CPU's CRC-32, odd sizes, unaligned views) is fingerprinted one tensor at a time, as `_fingerprint`.
     """
-    names: list[str] = []
-    prints: list[torch.Tensor | None] = []
-    batched: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    kernel = bitsums.available()
-    for name, tensor in shards:
-        names.append(name)
-        words = _words(tensor) if kernel and tensor.device.type == "cuda" else None
-        if words is None:
-            prints.append(_fingerprint(tensor))
-        else:
-            batched.setdefault(tensor.device, []).append((len(prints), words))
-            prints.append(None)
-    for batch in batched.values():
-        sums = bitsums.bit_sums([w for _, w in batch], _PERIOD)
-        for row, (k, _) in enumerate(batch):
-            prints[k] = sums[row]
-    return names, prints  # type: ignore[return-value]
+
+    def __init__(self) -> None:
+        self._sums = bitsums.BitSums(_PERIOD)
+
+    def __call__(self, shards: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
+        """The names, in order, and their fingerprints: one row each, on the tensors' device (the CPU if they are on
+        several)."""
+        names: list[str] = []
+        others: list[tuple[int, torch.Tensor]] = []
+        rows: list[int] = []
+        held: list[torch.Tensor] = []  # alive until the launch: their addresses are in its table
+        addresses: list[int] = []
+        sizes: list[int] = []
+        device: torch.device | None = None
+        for name, tensor in shards:
+            where = tensor.device
+            size = bitsums.words(tensor) if (where == device or device is None) and kernels.usable(where) else None
+            if size is None:
+                others.append((len(names), tensor))
+            else:
+                device = where
+                rows.append(len(names))
+                held.append(tensor)
+                addresses.append(tensor.data_ptr())
+                sizes.append(size)
+            names.append(name)
+        if not others:
+            if device is None:
+                return names, torch.empty(0, 3, dtype=torch.int64)
+            return names, self._sums(addresses, sizes, device)
+        prints: list[torch.Tensor] = [torch.empty(0)] * len(names)
+        for k, tensor in others:
+            prints[k] = _fingerprint(tensor)
+        if rows:
+            for k, row in zip(rows, self._sums(addresses, sizes, device), strict=True):  # type: ignore[arg-type]
+                prints[k] = row
+        if len({p.device for p in prints}) > 1:
+            prints = [p.cpu() for p in prints]
+        return names, torch.stack(prints)
+
+
+def fingerprints(shards: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
+    """Fingerprints of each named tensor (one row of three int64 values each), in order (see `Fingerprinter`)."""
+    return Fingerprinter()(shards)
 
 
 class EngineGroups:
@@ -233,7 +258,11 @@ class DeltaTracker:
         # Skipped and watched: the sources of every tensor not always sent (a source is never both).
         self.watched = tuple(sorted({s for t in self.tensors if t.name not in self.always for s in t.sources}
                                     - sent_sources))  # fmt: skip
-        self._reference: dict[str, torch.Tensor] | None = None
+        # The names fingerprinted at the last push, in order, with their fingerprints (one row each).
+        self._reference: tuple[tuple[str, ...], torch.Tensor] | None = None
+        self._fingerprints = Fingerprinter()
+        self._readback = HostReadback()
+        self._unchanged: Selection | None = None
         self._primed = False
 
     def widen(self, names: set[str]) -> frozenset[str]:
@@ -267,27 +296,52 @@ class DeltaTracker:
 
     def record(self, shards: Iterable[tuple[str, torch.Tensor]], only: Iterable[str] | None = None) -> None:
         """Fingerprint the watched weights (or `only` these) as they were just pushed."""
-        names, prints = fingerprints(shards)
-        fresh = dict(zip(names, prints, strict=True))
+        names, prints = self._fingerprints(shards)
         if only is None or self._reference is None:
-            self._reference = fresh
-        else:
-            self._reference.update({n: fresh[n] for n in only if n in fresh})
+            self._reference = (tuple(names), prints)
+            return
+        held, reference = self._reference
+        where = {n: i for i, n in enumerate(held)}
+        fresh = {n: i for i, n in enumerate(names)}
+        pairs = [(where[n], fresh[n]) for n in only if n in fresh and n in where]
+        if pairs:
+            reference = reference.clone()
+            into, take = zip(*pairs, strict=True)
+            reference[list(into)] = prints[list(take)].to(reference.device)
+        added = [n for n in only if n in fresh and n not in where]
+        if added:
+            held = held + tuple(added)
+            reference = torch.cat([reference, prints[[fresh[n] for n in added]].to(reference.device)])
+        self._reference = (held, reference)
 
     def changed(self, shards: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-        """Watched trainer names whose local shard differs from its fingerprint at the last push (this rank)."""
+        """Watched trainer names whose local shard differs from its fingerprint at the last push (this rank).
+
+        NOTE: compared on the device, and read back once (a pinned copy of one flag per tensor): nothing waits for
+        the device per tensor.
+        """
         assert self._reference is not None, "record() at the complete sync before checking"
-        names, prints = fingerprints(shards)
+        names, now = self._fingerprints(shards)
         if not names:
             return []
-        now = torch.stack([p.cpu() for p in prints]) if len({p.device for p in prints}) > 1 else torch.stack(prints)
-        ref = torch.stack([self._reference[n].to(now.device) for n in names])
-        differs = (now != ref).any(dim=1).tolist()
-        return [n for n, d in zip(names, differs, strict=True) if d]
+        held, reference = self._reference
+        if tuple(names) != held:
+            where = {n: i for i, n in enumerate(held)}
+            reference = reference[[where[n] for n in names]]
+        differs = (now != reference.to(now.device)).any(dim=1)
+        (flags,) = self._readback.read(differs)
+        return [n for n, d in zip(names, flags.tolist(), strict=True) if d]
 
     def select(self, changed: Iterable[str]) -> Selection:
         """The delta selection: the always-sent tensors plus whatever the changed skipped weights widen to."""
         changed = tuple(sorted(changed))
+        if not changed:  # the common case, the same every sync: made once (a walk over every tensor)
+            if self._unchanged is None:
+                self._unchanged = self._select(())
+            return self._unchanged
+        return self._select(changed)
+
+    def _select(self, changed: tuple[str, ...]) -> Selection:
         extra = {t.name for t in self.tensors if set(t.sources) & set(changed)}
         sent = self.always | self.widen(extra) if extra else self.always
         tensors = tuple(t for t in self.tensors if t.name in sent)

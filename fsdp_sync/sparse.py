@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .kernels import runtime as kernels
+from .kernels.extract import Extractor, Kind, kind_of
+
 __all__ = [
     "Counts",
     "Exchanged",
@@ -65,10 +68,15 @@ class Piece:
 
 @dataclass(frozen=True)
 class Patch:
-    """The changed elements of one tensor: flat indices into the full tensor, ascending, and their new values."""
+    """The changed elements of one tensor: flat indices into the full tensor, ascending, and their new values.
+
+    Attributes:
+        nan: whether a value is NaN, where the extraction found it on the way (None: look at `values`).
+    """
 
     indices: torch.Tensor
     values: torch.Tensor
+    nan: bool | None = None
 
     @property
     def count(self) -> int:
@@ -96,6 +104,7 @@ class Snapshot:
         self.dtype = dtype
         self._held: dict[str, tuple[int, torch.Tensor]] = {}
         self._valid = False
+        self._extractors: dict[tuple[Kind, torch.device], Extractor] = {}  # their tables: of the held tensors
 
     @property
     def valid(self) -> bool:
@@ -127,20 +136,42 @@ class Snapshot:
         """The changed elements of each piece since the snapshot, as full-tensor positions; the snapshot then holds
         the new values (call `commit` once they are pushed, `forget` when the push failed).
 
+        NOTE: where the kernels run (CUDA), the pieces they read (`extract.kind_of`) go through one extraction of
+        two launches per kind (`fsdp_sync.kernels.extract`: the same patches, bit for bit, written into the snapshot
+        in place); the others one by one, in torch.
+
         Raises:
             KeyError: a piece the snapshot does not hold (the sync's structure changed: take it again).
         """
-        patches: dict[str, Patch] = {}
+        patches: dict[str, Patch | None] = {}
+        batched: dict[tuple[Kind, torch.device], list[tuple[str, torch.Tensor, torch.Tensor, int]]] = {}
         for piece in pieces:
             start, old = self._held[piece.name]
             if start != piece.start or old.numel() != piece.values.numel():
                 raise KeyError(f"{piece.name}: the piece moved since the snapshot (start {start} -> {piece.start})")
-            new = self._cast(piece.values)
-            local = torch.nonzero(_bits(new) != _bits(old)).reshape(-1)
-            patches[piece.name] = Patch(local + start, new[local])
-            self._held[piece.name] = (start, new)
+            kind = kind_of(piece.values, old) if kernels.usable(old.device) else None
+            if kind is None:
+                patches[piece.name] = self._diff_one(piece, start, old)
+            else:
+                patches[piece.name] = None  # in stream order; filled below
+                batched.setdefault((kind, old.device), []).append((piece.name, piece.values.detach(), old, start))
+        for key, items in batched.items():
+            extractor = self._extractors.get(key)
+            if extractor is None:
+                extractor = self._extractors[key] = Extractor(key[0])
+            found = extractor([new for _, new, _, _ in items], [old for _, _, old, _ in items],
+                              [start for *_, start in items])  # fmt: skip
+            for (name, *_), (indices, values, nan) in zip(items, found, strict=True):
+                patches[name] = Patch(indices, values, nan)
         self._valid = False
-        return patches
+        return patches  # type: ignore[return-value]
+
+    def _diff_one(self, piece: Piece, start: int, old: torch.Tensor) -> Patch:
+        """The torch path of one piece (the reference of the kernels)."""
+        new = self._cast(piece.values)
+        local = torch.nonzero(_bits(new) != _bits(old)).reshape(-1)
+        self._held[piece.name] = (start, new)
+        return Patch(local + start, new[local])
 
 
 # Indices travel as their low 16 bits, grouped by block of 2**16 elements, with a count per block: 2 bytes per change
@@ -205,7 +236,7 @@ def local_counts(names: Sequence[str], local: dict[str, Patch]) -> torch.Tensor:
     """This rank's row per tensor: (changed elements, whether a new value is NaN), `[len(names), 2]` int64; local
     work, for `exchange_counts`."""
     device = next((p.indices.device for p in local.values()), torch.device("cpu"))
-    rows = [[local[n].count, int(torch.isnan(local[n].values).any())] if n in local else [0, 0] for n in names]
+    rows = [[local[n].count, _has_nan(local[n])] if n in local else [0, 0] for n in names]
     return torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 2)
 
 
@@ -219,6 +250,10 @@ def exchange_counts(names: Sequence[str], mine: torch.Tensor, *, group: dist.Pro
         dist.all_gather_into_tensor(out, mine.reshape(-1), group=group)
         both = out.view(world, len(names), 2).cpu()
     return Counts(tuple(names), both[:, :, 0], tuple(bool(x) for x in both[:, :, 1].amax(dim=0).tolist()))
+
+
+def _has_nan(patch: Patch) -> int:
+    return int(patch.nan) if patch.nan is not None else int(torch.isnan(patch.values).any())
 
 
 def _single(group: dist.ProcessGroup | None) -> bool:

@@ -286,7 +286,8 @@ class StreamPass:
                     for name, converted in stream.layout.convert(target, tensor):
                         cast = dtype is not None and converted.is_floating_point() and name not in stream.uncast
                         cast_to = dtype if cast else converted.dtype
-                        owned = converted.to(dtype=cast_to, copy=copy and not fresh)
+                        keep = converted.dtype == cast_to and not (copy and not fresh)  # `.to` would return it
+                        owned = converted if keep else converted.to(dtype=cast_to, copy=copy and not fresh)
                         if owned is not converted:
                             meter.hold_until_freed(owned)
                         self.bytes += owned.numel() * owned.element_size()

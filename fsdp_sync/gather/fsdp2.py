@@ -84,9 +84,11 @@ def fsdp2_local_shards(
     `get_parameter` per name: measured on the H200 at 7B shapes, 900 lookups cost 31 ms, a third of the delta check.
     """
     params = params if params is not None else dict(model.named_parameters())
-    for name in names:
-        param = params[name]
-        yield name, (param.to_local() if isinstance(param, DTensor) else param).detach()
+    # NOTE: under no_grad `to_local()` returns the local tensor itself (with grad it goes through an autograd
+    # function, a few microseconds a parameter); taken in one block, as grad mode must not leak past a yield.
+    with torch.no_grad():
+        shards = [(name, _local_tensor(params[name])) for name in names]
+    yield from shards
 
 
 def fsdp2_local_pieces(
@@ -107,12 +109,15 @@ def fsdp2_local_pieces(
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     params = params if params is not None else dict(model.named_parameters())
+    names = list(names)
+    with torch.no_grad():  # as in `fsdp2_local_shards`
+        local_of = {name: param.to_local().detach() for name in names if isinstance(param := params[name], DTensor)}
     for name in names:
         param = params[name]
         if not isinstance(param, DTensor):
             yield replica_piece(name, param, rank() == 0)
             continue
-        local = param.to_local().detach()
+        local = local_of[name]
         shape = tuple(param.shape)
         mesh, placements = param.device_mesh, param.placements
         if any(not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)) for p in placements):
@@ -127,6 +132,11 @@ def fsdp2_local_pieces(
         if tuple(local.shape) != tuple(local_shape):
             raise NotImplementedError(f"{name}: local shard {tuple(local.shape)} is not the expected {local_shape}")
         yield Piece(name, flat, offset[0] * math.prod(shape[1:]))
+
+
+def _local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's local shard (a plain tensor as it is), detached."""
+    return (param.to_local() if isinstance(param, DTensor) else param).detach()
 
 
 class FSDP2ParamGatherer:
@@ -368,12 +378,11 @@ class FSDP2FlatGatherer(FlatBase):
     def local_pieces(self, names: Iterable[str]) -> Iterator[Piece]:
         return fsdp2_local_pieces(self.model, names, self._params)
 
-    @torch.no_grad()
     def _cast(self, local: torch.Tensor, slot: _Slot) -> torch.Tensor:
-        """A local shard on the compute device, in the wire dtype."""
+        """A local shard on the compute device, in the wire dtype (under `_prepare`'s no_grad)."""
         if self.compute_device is not None:
             local = local.to(self.compute_device)
-        return local.to(slot.dtype)
+        return local if local.dtype == slot.dtype else local.to(slot.dtype)
 
     def _local(self, slot: _Slot) -> torch.Tensor:
         """This rank's shard of one parameter as a 1-D tensor of `slot.rows` rows in its wire dtype (padded if
@@ -399,18 +408,22 @@ class FSDP2FlatGatherer(FlatBase):
         fault_point("gather.prepare", unit=self._order[k], units=len(self._order))
         visit = self._visits[k]
         world = visit.world
-        if world == 1:  # the local shards are the full parameters, in their own shape: nothing to gather
-            params = self._params
-            return [(slot, self._cast(params[slot.name].to_local().detach(), slot), None) for slot in self._slots(k)]
-        prepared: list[tuple[_Slot, torch.Tensor, torch.Tensor | None]] = []
-        for slot in self._slots(k):
-            local = self._local(slot)
-            # NOTE: one output per parameter, not one per unit: a consumer still holding a unit's last tensor while
-            # it asks for the next unit then pins one parameter, not the whole unit.
-            out = torch.empty(world * local.numel(), dtype=slot.dtype, device=local.device)
-            self._meter.hold_until_freed(out)
-            prepared.append((slot, local, out))
-        return prepared
+        # NOTE: one no_grad block for the unit, not one per parameter (a decorator costs microseconds a call, and
+        # under no_grad `to_local()` returns the local tensor itself).
+        with torch.no_grad():
+            if world == 1:  # the local shards are the full parameters, in their own shape: nothing to gather
+                params = self._params
+                return [(slot, self._cast(params[slot.name].to_local().detach(), slot), None)
+                        for slot in self._slots(k)]  # fmt: skip
+            prepared: list[tuple[_Slot, torch.Tensor, torch.Tensor | None]] = []
+            for slot in self._slots(k):
+                local = self._local(slot)
+                # NOTE: one output per parameter, not one per unit: a consumer still holding a unit's last tensor
+                # while it asks for the next unit then pins one parameter, not the whole unit.
+                out = torch.empty(world * local.numel(), dtype=slot.dtype, device=local.device)
+                self._meter.hold_until_freed(out)
+                prepared.append((slot, local, out))
+            return prepared
 
     def _launch(
         self, k: int, prepared: list[tuple[_Slot, torch.Tensor, torch.Tensor | None]]

@@ -1,0 +1,189 @@
+"""Sparse extraction on the GPU: compare every piece with its snapshot, count and compact the changes, and write them
+into the snapshot, in two launches whatever the number of pieces.
+
+Why: the torch path (`fsdp_sync.sparse.Snapshot.diff`, kept on the CPU and as the reference) casts each piece
+(read 4, write 2 bytes an element), compares the bits with the snapshot (read 2 + 2), and `torch.nonzero` then waits
+for the device, once per piece: at 7B shapes it ran at 5-6x the bytes' floor on an H200 (docs/sparse.md). What it
+must move is the new values and the snapshot, each read once, and the few changes written: 4 bytes an element from
+bfloat16 shards (6 from float32 ones, cast on the way), plus a few bytes per change.
+
+How: `diff_kernel` (extract_triton.py) reads each chunk of 4096 elements once, compares the bits (after the cast,
+where the piece is float32 and the snapshot bfloat16), and writes the chunk's changes, in order, into a range of a
+scratch buffer reserved with one atomic, and into the snapshot; `compact_kernel` then moves each chunk's range to its
+place in chunk order, as indices into the full tensor, so each piece's changes come out ascending, exactly as the
+torch path gives them. The scratch holds what the last call needed plus a quarter; a call that needs more finishes
+the chunks that did not fit in a second launch (they wrote nothing, not even the snapshot). The table of the pieces'
+addresses is built once and kept while they do not move; one read of a few integers per piece comes back to the
+host, through pinned memory, once per call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .runtime import HostReadback
+
+__all__ = ["Extractor", "Kind", "kind_of"]
+
+# Elements per program: one chunk is read once and held in registers while its changes are counted and compacted.
+# NOTE: not tuned (no GPU was lent when this was written); `python -m benchmarks.run kernels` times the kernels
+# against their floor.
+CHUNK = 4096
+_WARPS = 8
+# The scratch of a first call: this share of the elements (more is finished in a second launch).
+_FIRST_SHARE = 64
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How a group of pieces is compared: `mode` (extract_triton's SAME_16, SAME_32 or BF16_OF_FP32), the NaN bound
+    on the compared bits (bits & ~sign above it: NaN), and the bits torch gives a NaN cast to bfloat16 (cast modes)."""
+
+    mode: int
+    nan_above: int
+    nan_bits: int = 0
+
+
+_SAME = {torch.bfloat16: Kind(0, 0x7F80), torch.float16: Kind(0, 0x7C00), torch.float32: Kind(1, 0x7F800000)}
+
+
+@functools.cache
+def _cast_nan_bits(device: torch.device) -> int | None:
+    """The bits torch gives any float32 NaN cast to bfloat16 on `device` (0xFFFF on the CPU, 0x7FFF with CUDA's
+    conversion), or None where they differ between NaNs (then the kernel could not match torch: no fused cast)."""
+    words = [0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFFFFFF, 0xFFA00123]
+    nans = torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.float32).to(device)
+    bits = set((nans.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF).tolist())
+    return bits.pop() if len(bits) == 1 else None
+
+
+def kind_of(new: torch.Tensor, snapshot: torch.Tensor) -> Kind | None:
+    """How the kernel compares a piece's new values with its snapshot (both 1-D, one device), or None where it does not
+    (the torch path takes them): the same floating dtype, or float32 values for a bfloat16 snapshot."""
+    if new.device != snapshot.device or not (new.is_contiguous() and snapshot.is_contiguous()):
+        return None
+    if new.dtype == snapshot.dtype:
+        return _SAME.get(new.dtype)
+    if new.dtype == torch.float32 and snapshot.dtype == torch.bfloat16:
+        nan_bits = _cast_nan_bits(new.device)
+        return None if nan_bits is None else Kind(2, 0, nan_bits)
+    return None
+
+
+@dataclass
+class _Plan:
+    """What a call over the same pieces reuses: the table and the chunk layout."""
+
+    table: torch.Tensor
+    chunks: int
+    last_chunk: torch.Tensor  # per piece, its last chunk (-1: none), on the device
+    search: int
+
+
+class Extractor:
+    """Sparse extraction of one kind of pieces (`Kind`), in two launches per call; the table and the scratch's size
+    are kept between calls (the pieces of a snapshot do not move).
+
+    Args:
+        kind: how the pieces are compared.
+    """
+
+    def __init__(self, kind: Kind) -> None:
+        self.kind = kind
+        self._plan: tuple[tuple[int, ...], _Plan] | None = None
+        self._readback = HostReadback()
+        self._capacity = 0
+        self.relaunched = 0  # calls whose scratch was too small (for tests and benchmarks)
+
+    def __call__(
+        self, news: Sequence[torch.Tensor], snapshots: Sequence[torch.Tensor], starts: Sequence[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """Per piece: the ascending indices into its full tensor (its start plus the position in the piece) where the
+        new values differ from the snapshot in any bit, the new values there (the snapshot's dtype), and whether one
+        of them is NaN. The snapshots then hold the new values.
+
+        The new values and snapshots stay alive and unchanged by others until this returns (it waits for the device
+        once).
+        """
+        from .extract_triton import compact_kernel, diff_kernel
+
+        if not news:
+            return []
+        device = news[0].device
+        plan = self._plan_of(news, snapshots, starts, device)
+        numel = sum(n.numel() for n in news)
+        capacity = max(self._capacity, numel // _FIRST_SHARE + CHUNK)
+        bits_dtype = torch.int32 if self.kind.mode == 1 else torch.int16
+        chunk_counts = torch.empty(plan.chunks, dtype=torch.int32, device=device)
+        chunk_base = torch.empty(plan.chunks, dtype=torch.int64, device=device)
+        piece_nan = torch.zeros(len(news), dtype=torch.int32, device=device)
+        cursor = torch.zeros(1, dtype=torch.int64, device=device)
+        scratch_at = torch.empty(capacity, dtype=torch.int32, device=device)
+        scratch_bits = torch.empty(capacity, dtype=bits_dtype, device=device)
+        count, kind = len(news), self.kind
+        launch = dict(CHUNK=CHUNK, MODE=kind.mode, NAN_ABOVE=kind.nan_above, SEARCH=plan.search, num_warps=_WARPS)
+        if plan.chunks:
+            diff_kernel[(plan.chunks,)](plan.table, count, cursor, chunk_counts, chunk_base, piece_nan, cursor,
+                                        scratch_at, scratch_bits, capacity, kind.nan_bits, RESERVED=False,
+                                        **launch)  # fmt: skip
+        chunk_end = torch.cumsum(chunk_counts, 0)
+        if plan.chunks:
+            ends = torch.where(plan.last_chunk >= 0, chunk_end[plan.last_chunk.clamp(min=0)], 0)
+        else:
+            ends = torch.zeros(count, dtype=torch.int64, device=device)
+        total, piece_ends, nans = (t.tolist() for t in self._readback.read(cursor, ends, piece_nan))
+        (total,) = total
+        if total > capacity:
+            # The chunks that did not fit wrote nothing: finish them where they reserved, in a scratch of the size.
+            self.relaunched += 1
+            ids = torch.nonzero(chunk_base < 0).reshape(-1)
+            wider_at = torch.empty(total, dtype=torch.int32, device=device)
+            wider_bits = torch.empty(total, dtype=bits_dtype, device=device)
+            wider_at[:capacity] = scratch_at
+            wider_bits[:capacity] = scratch_bits
+            scratch_at, scratch_bits = wider_at, wider_bits
+            diff_kernel[(ids.numel(),)](plan.table, count, ids, chunk_counts, chunk_base, piece_nan, cursor,
+                                        scratch_at, scratch_bits, total, kind.nan_bits, RESERVED=True,
+                                        **launch)  # fmt: skip
+        self._capacity = total + total // 4 + CHUNK
+        out_index = torch.empty(total, dtype=torch.int64, device=device)
+        out_bits = torch.empty(total, dtype=bits_dtype, device=device)
+        if total:
+            compact_kernel[(plan.chunks,)](plan.table, count, chunk_counts, chunk_base, chunk_end, scratch_at,
+                                           scratch_bits, out_index, out_bits, CHUNK=CHUNK, SEARCH=plan.search,
+                                           num_warps=_WARPS)  # fmt: skip
+        values = out_bits.view(snapshots[0].dtype)
+        out: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        begin = 0
+        for end, nan in zip(piece_ends, nans, strict=True):
+            end = end if end else begin  # a piece with no chunk
+            out.append((out_index[begin:end], values[begin:end], bool(nan)))
+            begin = end
+        return out
+
+    def _plan_of(
+        self, news: Sequence[torch.Tensor], snapshots: Sequence[torch.Tensor], starts: Sequence[int],
+        device: torch.device,
+    ) -> _Plan:  # fmt: skip
+        sizes = [n.numel() for n in news]
+        columns = ([n.data_ptr() for n in news], [s.data_ptr() for s in snapshots], sizes, [], list(starts))
+        chunks = 0
+        last = []
+        for size in sizes:
+            columns[3].append(chunks)
+            chunks += -(-size // CHUNK)
+            last.append(chunks - 1 if size else -1)
+        key = tuple(columns[0]) + tuple(columns[1]) + tuple(sizes) + tuple(starts)
+        if self._plan is None or self._plan[0] != key:
+            plan = _Plan(
+                table=torch.tensor(columns, dtype=torch.int64).reshape(-1).to(device),
+                chunks=chunks,
+                last_chunk=torch.tensor(last, dtype=torch.int64).to(device),
+                search=max(1, len(news).bit_length()),
+            )
+            self._plan = (key, plan)
+        return self._plan[1]
