@@ -63,7 +63,7 @@ def _measure_backend(
     from fsdp_sync.backend import detect_backend
     from fsdp_sync.gather import make_gatherer
     from fsdp_sync.memory import MemoryMeter
-    from fsdp_sync.pipeline import WeightSync
+    from fsdp_sync.sync.pipeline import WeightSync
     from fsdp_sync.writers import ColocateWriter
 
     from .trl_path import trl_sync

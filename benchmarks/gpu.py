@@ -50,8 +50,8 @@ def _measure_backend(
     from fsdp_sync.compat.names import NameRules, canonical_name
     from fsdp_sync.backend import detect_backend
     from fsdp_sync.gather import make_gatherer
-    from fsdp_sync.pipeline import WeightSync
-    from fsdp_sync.stream import build_plan
+    from fsdp_sync.sync.pipeline import WeightSync
+    from fsdp_sync.sync.stream import build_plan
 
     from .buffers import FusedBuffersWriter
     from .trl_path import trl_sync

@@ -62,7 +62,7 @@ def _check_rows(model_name: str, shapes: dict[str, tuple[int, ...]], reps: int, 
     """The delta check over what a LoRA q/v delta sync skips (everything but each layer's q, k and v)."""
     from fsdp_sync.compat.engine_api import EngineNaming
     from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
-    from fsdp_sync.delta import DeltaTracker, EngineGroups, _fingerprint
+    from fsdp_sync.sync.delta import DeltaTracker, EngineGroups, _fingerprint
 
     from .buffers import VLLM_PACKED, _fused_name
 
@@ -101,7 +101,8 @@ def _extract_rows(model_name: str, shapes: dict[str, tuple[int, ...]], source: t
                   device: torch.device, rate: float | None) -> list[dict[str, Any]]:  # fmt: skip
     """Sparse extraction of every tensor at each share of changed values, kernel and torch path side by side."""
     from fsdp_sync.kernels import runtime
-    from fsdp_sync.sparse import Piece, Snapshot
+    from fsdp_sync.gather.base import Piece
+    from fsdp_sync.sync.sparse import Snapshot
 
     values = {n: _random(s, source, device, k).reshape(-1) for k, (n, s) in enumerate(shapes.items())}
     pieces = [Piece(n, v, 0) for n, v in values.items()]

@@ -26,7 +26,7 @@ def safety_worker(rank: int, world_size: int, model_name: str, model_dir: str, r
     from fsdp_sync.compat.names import NameRules
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.gather import make_gatherer
-    from fsdp_sync.pipeline import WeightSync
+    from fsdp_sync.sync.pipeline import WeightSync
     from fsdp_sync._demo.engine import keep_engine_weights_readable
     from fsdp_sync.writers import ColocateWriter
 

@@ -49,7 +49,7 @@ def _measure_backend(
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.gather import make_gatherer
     from fsdp_sync.memory import MemoryMeter
-    from fsdp_sync.pipeline import WeightSync
+    from fsdp_sync.sync.pipeline import WeightSync
     from fsdp_sync.server_client import ServerClient
     from fsdp_sync.writers.server import ServerWriter
 

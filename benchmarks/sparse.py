@@ -5,7 +5,7 @@ Each rank trains a Qwen2-shaped model (FSDP1 or FSDP2, one unit per decoder laye
 (weight decay 0, TRL's default optimizer settings) on random token batches, at each learning rate. After every step,
 interleaved: `dense` (the default complete sync's gather: every unit's local shards cast to bf16 and all-gathered,
 `SyncConfig(delta=False)`'s flat gatherer; its output consumed and dropped, no engine) and `sparse` (each rank's
-shards cast to bf16 and compared with its snapshot, `fsdp_sync.sparse.Snapshot.diff`, then the patches all-gathered,
+shards cast to bf16 and compared with its snapshot, `fsdp_sync.sync.sparse.Snapshot.diff`, then the patches all-gathered,
 `gather_patches`). Reported per step: the changed fraction, bytes (dense: the full bf16 tensors; sparse: the patch
 collectives' buffers: the low 16 bits of each index, a count per block of 2**16 elements, bf16 values, padding
 included), seconds, and the snapshot's bytes per rank.
@@ -53,7 +53,8 @@ def sparse_worker(rank: int, world_size: int, model_name: str, steps: int) -> li
     from fsdp_sync.config import SyncConfig
     from fsdp_sync.gather import make_gatherer
     from fsdp_sync.memory import MemoryMeter
-    from fsdp_sync.sparse import Snapshot, gather_patches
+    from fsdp_sync.sync.patches import gather_patches
+    from fsdp_sync.sync.sparse import Snapshot
 
     torch.set_num_threads(1)
     device = torch.device("cpu")

@@ -7,7 +7,7 @@ process started with `FSDP_VLLM_SYNC_SPARSE=1`, the gloo backend; rank 0 sends) 
 in each rank, its linear weights kept unpacked as `SyncConfig(sparse=True)` keeps them). After every step, in this
 order: `sparse` (`WeightSync.sync()` with `SyncConfig(sparse=True)`, what a user gets: diff, patch collectives, the
 patches written in place, engine modules over the density threshold whole; after a sync that went mostly whole, the
-back-off's dense syncs, and the snapshot taken again after them, counted in) and `dense` (`sync(whole=True)` on the
+back-off's dense syncs, and the snapshot taken again after them, counted in) and `dense` (`policy.whole_next()`, then `sync()`, on the
 same object: every tensor whole, as a sync without `sparse`; the snapshot it then takes for the next step is not
 counted). Both land the same weights. Reported per step: the changed fraction, bytes (dense: the bf16 tensors;
 sparse: the patches' encoded bytes plus what went whole), and seconds of each.
@@ -70,7 +70,8 @@ def sparse_sync_worker(
             dist.barrier()
             sparse = sync.sync()
             dist.barrier()
-            dense = sync.sync(whole=True)
+            sync.policy.whole_next()
+            dense = sync.sync()
             assert not dense.sparse and dense.bytes > 0, dense
             rows.append({
                 "model": model_name, "mode": mode, "lr": lr, "step": step, "rank": rank, "world_size": world_size,

@@ -18,21 +18,21 @@ _EXPORTS: dict[str, str] = {
     "EngineState": "errors",
     "EngineWriter": "writers",
     "FSDPVLLMSyncMixin": "mixin",
-    "IncompleteSyncError": "stream",
+    "IncompleteSyncError": "sync.stream",
     "NonFiniteWeightsError": "errors",
     "PeftMerge": "peft_merge",
     "RemoteSyncError": "errors",
     "ServerWriter": "writers",
     "SyncConfig": "config",
     "SyncError": "errors",
-    "SyncPlan": "stream",
+    "SyncPlan": "sync.stream",
     "SyncReport": "report",
     "SyncStageError": "errors",
     "SyncTimeoutError": "errors",
     "UnsupportedAdapterError": "peft_merge",
     "UnsupportedBackendError": "backend",
     "VerifyError": "errors",
-    "WeightSync": "pipeline",
+    "WeightSync": "sync.pipeline",
     "detect_backend": "backend",
     "full_module": "full_weights",
     "iter_full_weights": "full_weights",
@@ -57,8 +57,8 @@ if TYPE_CHECKING:
     from .gather import make_gatherer
     from .mixin import FSDPVLLMSyncMixin
     from .peft_merge import PeftMerge, UnsupportedAdapterError
-    from .pipeline import WeightSync
-    from .stream import IncompleteSyncError, SyncPlan
+    from .sync.pipeline import WeightSync
+    from .sync.stream import IncompleteSyncError, SyncPlan
     from .report import SyncReport
     from .writers import ColocateWriter, EnginePushError, EngineWriter, ServerWriter
 

@@ -19,8 +19,8 @@ from .config import SyncConfig
 from .gather import Gatherer, make_gatherer
 from .peft_merge import PeftMerge
 from .memory import MemoryMeter
-from .pipeline import WeightSync
-from .stream import WeightStream
+from .sync.pipeline import WeightSync
+from .sync.stream import WeightStream
 from .writers.base import EngineWriter
 
 __all__ = ["build_stream", "build_sync"]

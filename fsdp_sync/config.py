@@ -41,7 +41,7 @@ class SyncConfig:
         delta: after one complete sync, send only the tensors that can have changed (trainable parameters; for PEFT
             the base weights adapters merge into, and `modules_to_save` copies), each widened to whole engine
             modules, and skip the rest (frozen weights, base weights without adapters); the first sync, every sync
-            after a failed one and every sync after the trainable set changed are complete. See `fsdp_sync.delta`.
+            after a failed one and every sync after the trainable set changed are complete. See `fsdp_sync.sync.delta`.
         delta_check: with `delta`, prove every sync that the skipped weights did not change: each rank fingerprints
             its own shards of them (no gather) against their fingerprints when last pushed, the ranks agree, and a
             changed one is sent and logged. Off only if nothing but the optimizer ever writes the weights.

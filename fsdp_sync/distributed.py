@@ -49,6 +49,30 @@ def own_failure(stage: str, error: Exception | None) -> RankFailure | None:
     return None if error is None else RankFailure(rank(), stage, f"{type(error).__name__}: {error}")
 
 
+def agreed(
+    coordinator: Coordinator,
+    stage: str,
+    work: Callable[[], _T],
+    failed: Callable[[Exception | None, list[RankFailure]], SyncError],
+) -> _T:
+    """`work()` on this rank, then every rank agrees on whether it succeeded everywhere; when it failed on any rank,
+    every rank raises `failed(this rank's error or None, the failures)`.
+
+    Why: work before (or after) the gathers that can fail on one rank alone must never leave the other ranks in a
+    collective: nobody goes on until all said how it went.
+    """
+    result: _T | None = None
+    error: Exception | None = None
+    try:
+        result = work()
+    except Exception as e:
+        error = e
+    failures = coordinator.agree_on(stage, error)
+    if failures:
+        raise failed(error, failures)
+    return result  # type: ignore[return-value]
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a one-process group, or a launcher's rendezvous)."""
     with socket.socket() as s:

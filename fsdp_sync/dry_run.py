@@ -134,7 +134,7 @@ def dry_run(
     from .config import SyncConfig
     from .gather import make_gatherer
     from .peft_merge import PeftMerge
-    from .stream import build_plan
+    from .sync.stream import build_plan
 
     out = out or sys.stdout
     directory = _model_dir(model_dir)

@@ -134,7 +134,7 @@ def _plan(model_dir: Path, spec: WrapSpec, dtype: torch.dtype, engine_dtype: tor
     from .cli import meta_model
     from .gather import make_gatherer
     from .gather.collectives import gather_dtype
-    from .stream import build_plan
+    from .sync.stream import build_plan
 
     model = wrap_on_one_rank(meta_model(model_dir, dtype), spec)
     inner = user_model(model)

@@ -36,8 +36,8 @@ from .distributed import Coordinator
 from .errors import EngineState, SyncError, UnsupportedSetupError, agreed_error
 from .faults import fault_point
 from .assemble import build_sync
-from .pipeline import WeightSync
-from .stream import SyncPlan
+from .sync.pipeline import WeightSync
+from .sync.stream import SyncPlan
 from .report import SyncReport
 from .writers import ColocateWriter, EngineWriter
 

@@ -96,7 +96,7 @@ def install_readable_weights() -> None:
 def _worker_digests(worker: Any) -> dict[str, str]:
     import hashlib
 
-    from fsdp_sync.verify import tensor_bytes
+    from fsdp_sync.sync.verify import tensor_bytes
 
     model = worker.model_runner.get_model()
     return {name: hashlib.sha256(tensor_bytes(p)).hexdigest() for name, p in model.named_parameters()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -12,17 +13,37 @@ from fsdp_sync.compat.manifest import TensorSpec
 
 from ..distributed import Coordinator, Rounds, world_size
 from ..memory import MemoryMeter
-from ..sparse import Piece
 
 __all__ = [
     "GatherFailed",
     "Gatherer",
+    "Piece",
     "group_units",
     "local_named_parameters",
+    "replica_piece",
     "spec_of",
     "sync_rounds",
     "until_failed",
 ]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """This rank's part of one full tensor: `values` (1-D) is `full.flatten()[start : start + values.numel()]`.
+
+    A rank that holds a replica rather than its own part (DDP, a parameter FSDP ignores, a replicated mesh dimension)
+    gives an empty piece on every rank but one, so that pieces stay disjoint.
+    """
+
+    name: str
+    values: torch.Tensor
+    start: int
+
+
+def replica_piece(name: str, tensor: torch.Tensor, reporter: bool) -> Piece:
+    """The piece of a tensor every rank holds whole: all of it on the one rank that reports it, empty elsewhere."""
+    flat = tensor.detach().reshape(-1)
+    return Piece(name, flat if reporter else flat[:0], 0)
 
 
 class Gatherer(Protocol):
@@ -64,7 +85,7 @@ class Gatherer(Protocol):
 
     def local_pieces(self, names: Iterable[str]) -> Iterator[Piece]:
         """This rank's own part of each named parameter as a contiguous run of the flattened full tensor, without
-        any collective (sparse delta syncs, `fsdp_sync.sparse`); the ranks' pieces are disjoint (a replica that is
+        any collective (sparse delta syncs, `fsdp_sync.sync.sparse`); the ranks' pieces are disjoint (a replica that is
         not this rank's to report is an empty piece), and their union is the whole tensor."""
         ...
 

@@ -22,8 +22,7 @@ from fsdp_sync.compat.manifest import TensorSpec
 
 from ..distributed import Rounds, rank
 from ..memory import MemoryMeter
-from ..sparse import Piece, replica_piece
-from .base import Gatherer, spec_of
+from .base import Gatherer, Piece, replica_piece, spec_of
 
 __all__ = ["WithBuffers", "persistent_buffers"]
 

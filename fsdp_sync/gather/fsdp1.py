@@ -31,8 +31,7 @@ from fsdp_sync.compat.manifest import TensorSpec
 from ..distributed import Rounds, rank
 from ..faults import fault_point
 from ..memory import MemoryMeter
-from ..sparse import Piece, replica_piece
-from .base import group_units, sync_rounds, until_failed as _until_failed
+from .base import Piece, group_units, replica_piece, sync_rounds, until_failed as _until_failed
 from .collectives import FlatBase, InFlight, gather_dtype, launch_or_join, pipelined
 
 __all__ = ["FSDP1FlatGatherer", "FSDP1RootSummonGatherer", "FSDP1UnitGatherer", "fsdp1_units"]

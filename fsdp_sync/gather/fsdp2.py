@@ -23,8 +23,7 @@ from fsdp_sync.compat.torch_api import fsdp2_param_groups
 from ..distributed import Rounds, rank
 from ..faults import fault_point
 from ..memory import MemoryMeter
-from ..sparse import Piece, replica_piece
-from .base import group_units, local_named_parameters, spec_of, sync_rounds
+from .base import Piece, group_units, local_named_parameters, replica_piece, spec_of, sync_rounds
 from .collectives import FlatBase, InFlight, gather_dtype, launch_or_join, pipelined
 
 __all__ = [

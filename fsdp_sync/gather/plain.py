@@ -13,8 +13,7 @@ from ..distributed import Rounds
 from ..faults import fault_point
 from ..distributed import rank
 from ..memory import MemoryMeter
-from ..sparse import Piece, replica_piece
-from .base import spec_of
+from .base import Piece, replica_piece, spec_of
 
 __all__ = ["PlainGatherer"]
 

@@ -19,7 +19,8 @@ Protocol (both sides compute the same chunking from the metadata, so nothing but
   either its previous or its new value, none undefined.
 - a sparse update (`counts` given, `SyncConfig(sparse=True)`): each announced tensor travels as three segments,
   its changes per block of 2^16 elements (int32), the low 16 bits of each changed index (int16) and the new values
-  (`fsdp_sync.sparse.encode_indices`), chunked and broadcast the same way; the workers decode them and write them in
+  (`fsdp_sync.sync.patches.encode_patch`, the codec of the trainer's own patch collectives), chunked and broadcast the
+  same way; the workers decode them (`decode_patch`) and write them in
   place through vLLM's `load_checkpoint_weight_patches` (`fsdp_sync.compat.patch_api`), outside the layer-wise reload,
   which a sparse update never starts. On vLLM-CPU the linear weights must have been kept unpacked from the start:
   start the server with `FSDP_VLLM_SYNC_SPARSE=1` (the plugin then applies `keep_cpu_linear_weights`).
@@ -223,7 +224,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
     def segment_sizes(self) -> list[int]:
         """A sparse update's segments in wire order, in bytes: per tensor its blocks, indices and values."""
-        from fsdp_sync.sparse import index_blocks
+        from fsdp_sync.sync.patches import index_blocks
 
         assert self.counts is not None
         sizes: list[int] = []
@@ -241,87 +242,44 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
         return dtypes
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpdateInfo]):
-    """Worker side (inside the vLLM server): receives chunks and loads them through the layer-wise reload."""
+class _DenseRound:
+    """A dense update on the worker: the announced tensors, chunk by chunk, through vLLM's layer-wise reload (begun at
+    its first chunk, finalised when the update finishes, and ended with every weight previous or new when it stops
+    part-way)."""
 
-    init_info_cls = GlooWorkerInitInfo
-    update_info_cls = GlooUpdateInfo
+    def __init__(self, engine: GlooWeightTransferEngine) -> None:
+        self.engine = engine
+        self.reloading = False
+        self.eager: dict[str, torch.Tensor] | None = None
 
-    def __init__(
-        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
-    ) -> None:
-        super().__init__(config, vllm_config, device, model)
-        self.group: dist.ProcessGroupGloo | None = None
-        self.buffer_bytes = DEFAULT_BUFFER_BYTES
-        self._eager: dict[str, torch.Tensor] | None = None
-        # Whether this update started vLLM's layer-wise reload (a dense update does, at its first tensor; a sparse
-        # one writes in place and never does).
-        self._reloading = False
-        self._patcher: Any = None
-
-    def _worker_rank(self) -> int:
-        # Unique across data-parallel replicas, as vLLM's NCCL backend numbers its workers.
-        parallel = self.parallel_config
-        return parallel.data_parallel_index * parallel.world_size + parallel.rank
-
-    def init_transfer_engine(self, init_info: GlooWorkerInitInfo) -> None:
-        """Join the trainer's group; a new trainer (a restarted job) replaces the previous one."""
-        self.shutdown()
-        self.buffer_bytes = init_info.buffer_bytes
-        rank = init_info.rank_offset + self._worker_rank()
-        self.group = _open_group(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
-        )
-        logger.info("gloo weight transfer: joined %s:%d as rank %d", init_info.master_address, init_info.master_port, rank)
-
-    def start_weight_update(self) -> None:
-        """Nothing yet: whether the update reloads (dense) or patches in place (sparse) comes with it."""
-        self._reloading = False
-
-    def _begin_reload(self) -> None:
-        from fsdp_sync.compat.vllm_patches import keep_moe_experts_processed_on_reload, load_gpt_oss_through_weight_loaders
+    def _begin(self) -> None:
         from fsdp_sync.compat.reload_api import begin_reload, eager_reload_tensors
+        from fsdp_sync.compat.vllm_patches import keep_moe_experts_processed_on_reload, load_gpt_oss_through_weight_loaders
 
-        keep_moe_experts_processed_on_reload(self.model)
-        load_gpt_oss_through_weight_loaders(self.model)
-        begin_reload(self.model)
-        self._reloading = True
+        model = self.engine.model
+        keep_moe_experts_processed_on_reload(model)
+        load_gpt_oss_through_weight_loaders(model)
+        begin_reload(model)
+        self.reloading = True
         # What the reload writes in place as it arrives (biases), for a round that ends part-way.
-        self._eager = eager_reload_tensors(self.model)
+        self.eager = eager_reload_tensors(model)
 
-    def finish_weight_update(self) -> None:
-        from fsdp_sync.compat.vllm_patches import refresh_tied_cpu_gemms
-        from fsdp_sync.compat.reload_api import end_reload
-
-        if self._reloading:
-            end_reload(self.model, self.model_config, self.device)
-            refresh_tied_cpu_gemms(self.model)
-            self._reloading = False
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one update and load it.
-
-        Overrides the base class, which ends with `torch.accelerator.synchronize()`: that raises on a CPU-only torch,
-        and the loads here are synchronous copies from host memory.
-        """
-        info = self.parse_update_info(update_info)
-        if info.counts is not None:
-            self.receive_patches(info)
-            return
-        if not self._reloading:
-            self._begin_reload()
+    def receive(self, info: GlooUpdateInfo) -> None:
+        if not self.reloading:
+            self._begin()
         try:
-            self.receive_weights(info)
+            self.chunks(info)
         except Exception as e:
             # NOTE: the layer-wise reload has moved every layer to the meta device; without finalising, the engine
             # cannot generate at all. Layers that received part of their weights are given their previous ones back
             # first (vLLM would process them from what they have, leaving the rest uninitialised).
-            from fsdp_sync.compat.vllm_patches import refresh_tied_cpu_gemms
             from fsdp_sync.compat.reload_api import finalize_failed_reload
+            from fsdp_sync.compat.vllm_patches import refresh_tied_cpu_gemms
 
-            previous, new = finalize_failed_reload(self.model, self.model_config, self.device, self._eager)
-            self._reloading = False
-            refresh_tied_cpu_gemms(self.model)
+            engine = self.engine
+            previous, new = finalize_failed_reload(engine.model, engine.model_config, engine.device, self.eager)
+            self.reloading = False
+            refresh_tied_cpu_gemms(engine.model)
             logger.warning(
                 "gloo weight transfer: update ended part-way; %d engine weight(s) hold their new values, %d their "
                 "previous ones: %s",
@@ -336,63 +294,134 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
                 "the next complete update replaces them all."
             ) from e
 
-    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if self.group is None:
-            raise RuntimeError("gloo weight transfer is not initialized; call /init_weight_transfer_engine first.")
+    def chunks(self, info: GlooUpdateInfo) -> None:
+        """Receive the update's chunks and hand their tensors to the model's loader (inside the reload)."""
         from fsdp_sync.compat.reload_api import partial_loads
 
-        dtypes = update_info.dtypes()
-        sizes = [_nbytes(d, s) for d, s in zip(dtypes, update_info.shapes)]
+        group = self.engine.joined()
+        dtypes = info.dtypes()
+        sizes = [_nbytes(d, s) for d, s in zip(dtypes, info.shapes)]
         with partial_loads():
-            for chunk in plan_chunks(sizes, self.buffer_bytes):
+            for chunk in plan_chunks(sizes, self.engine.buffer_bytes):
                 buffer = torch.empty(chunk.nbytes + _TRAILER, dtype=torch.uint8)
-                _broadcast(self.group, buffer).wait()
+                _broadcast(group, buffer).wait()
                 if int(buffer[chunk.nbytes]) != _DATA:
-                    raise UpdateAborted(f"the trainer aborted the update before tensor {update_info.names[chunk.start]!r}")
+                    raise UpdateAborted(f"the trainer aborted the update before tensor {info.names[chunk.start]!r}")
                 weights = []
                 for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
                     flat = buffer[offset : offset + sizes[i]].view(dtypes[i])
-                    weights.append((update_info.names[i], flat.view(update_info.shapes[i])))
+                    weights.append((info.names[i], flat.view(info.shapes[i])))
                 # The views keep the chunk alive for as long as the layer-wise reload holds them.
-                self.model.load_weights(weights)
+                self.engine.model.load_weights(weights)
                 del weights, buffer
 
-    def receive_patches(self, update_info: GlooUpdateInfo) -> None:
-        """Receive a sparse update whole, then write it in place (nothing is written before all of it arrived, so a
-        transfer that fails part-way leaves the engine unchanged)."""
-        if self.group is None:
-            raise RuntimeError("gloo weight transfer is not initialized; call /init_weight_transfer_engine first.")
-        from fsdp_sync.compat.patch_api import EnginePatch
-        from fsdp_sync.compat.patch_write import EnginePatcher
-        from fsdp_sync.sparse import decode_indices
+    def finish(self) -> None:
+        from fsdp_sync.compat.reload_api import end_reload
+        from fsdp_sync.compat.vllm_patches import refresh_tied_cpu_gemms
 
+        if self.reloading:
+            engine = self.engine
+            end_reload(engine.model, engine.model_config, engine.device)
+            refresh_tied_cpu_gemms(engine.model)
+            self.reloading = False
+
+
+class _PatchRound:
+    """A sparse update on the worker: received whole, then written in place (nothing is written before all of it
+    arrived, so a transfer that fails part-way leaves the engine unchanged); never inside a reload."""
+
+    def __init__(self, engine: GlooWeightTransferEngine) -> None:
+        self.engine = engine
+        self.patcher: Any = None
+
+    def receive(self, info: GlooUpdateInfo) -> None:
+        from fsdp_sync.compat.patch_write import EnginePatcher
+        from fsdp_sync.sync.patches import decode_patch
+
+        group, model = self.engine.joined(), self.engine.model
         started = time.perf_counter()
-        sizes = update_info.segment_sizes()
+        sizes = info.segment_sizes()
         segments: list[torch.Tensor] = []
-        for chunk in plan_chunks(sizes, self.buffer_bytes):
+        for chunk in plan_chunks(sizes, self.engine.buffer_bytes):
             buffer = torch.empty(chunk.nbytes + _TRAILER, dtype=torch.uint8)
-            _broadcast(self.group, buffer).wait()
+            _broadcast(group, buffer).wait()
             if int(buffer[chunk.nbytes]) != _DATA:
                 raise UpdateAborted("the trainer aborted the sparse update")
             segments += [buffer[o : o + sizes[i]] for i, o in zip(range(chunk.start, chunk.stop), chunk.offsets)]
-        patches = []
-        for k, (name, dtype, shape) in enumerate(zip(update_info.names, update_info.dtypes(), update_info.shapes)):
-            blocks, low, values = segments[3 * k : 3 * k + 3]
-            indices = decode_indices(low.view(torch.int16), blocks.view(torch.int32))
-            patches.append(EnginePatch(name, tuple(shape), dtype, indices, values.view(dtype)))
+        patches = [
+            decode_patch(name, tuple(shape), dtype, *segments[3 * k : 3 * k + 3])
+            for k, (name, dtype, shape) in enumerate(zip(info.names, info.dtypes(), info.shapes))
+        ]
         received = time.perf_counter()
-        if self._patcher is None or self._patcher.model is not self.model:
-            self._patcher = EnginePatcher(self.model)
-        self._patcher.apply(patches)
+        if self.patcher is None or self.patcher.model is not model:
+            self.patcher = EnginePatcher(model)
+        self.patcher.apply(patches)
         logger.info(
             "gloo weight transfer: sparse update of %d tensors (%d changes, %d bytes): received in %.3f s, written in "
             "%.3f s",
             len(patches),
-            sum(update_info.counts or ()),
+            sum(info.counts or ()),
             sum(sizes),
             received - started,
             time.perf_counter() - received,
         )
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpdateInfo]):
+    """Worker side (inside the vLLM server): joins the trainer's group and receives each update in the round the
+    update announces: dense (`_DenseRound`) or sparse (`_PatchRound`)."""
+
+    init_info_cls = GlooWorkerInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: dist.ProcessGroupGloo | None = None
+        self.buffer_bytes = DEFAULT_BUFFER_BYTES
+        self._dense = _DenseRound(self)
+        self._patches = _PatchRound(self)
+
+    def _worker_rank(self) -> int:
+        # Unique across data-parallel replicas, as vLLM's NCCL backend numbers its workers.
+        parallel = self.parallel_config
+        return parallel.data_parallel_index * parallel.world_size + parallel.rank
+
+    def joined(self) -> dist.ProcessGroupGloo:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialized; call /init_weight_transfer_engine first.")
+        return self.group
+
+    def init_transfer_engine(self, init_info: GlooWorkerInitInfo) -> None:
+        """Join the trainer's group; a new trainer (a restarted job) replaces the previous one."""
+        self.shutdown()
+        self.buffer_bytes = init_info.buffer_bytes
+        rank = init_info.rank_offset + self._worker_rank()
+        self.group = _open_group(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
+        )
+        logger.info("gloo weight transfer: joined %s:%d as rank %d", init_info.master_address, init_info.master_port, rank)
+
+    def start_weight_update(self) -> None:
+        """Nothing yet: whether the update reloads (dense) or patches in place (sparse) comes with it."""
+        self._dense.reloading = False
+
+    def finish_weight_update(self) -> None:
+        self._dense.finish()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one update and load it.
+
+        Overrides the base class, which ends with `torch.accelerator.synchronize()`: that raises on a CPU-only torch,
+        and the loads here are synchronous copies from host memory.
+        """
+        info = self.parse_update_info(update_info)
+        (self._patches if info.counts is not None else self._dense).receive(info)
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        """vLLM's receiving step of a dense update (the chunks, into a reload `update_weights` began)."""
+        self._dense.chunks(update_info)
 
     def shutdown(self) -> None:
         # Dropping the group closes its sockets; gloo groups have no explicit destroy.
@@ -608,7 +637,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def send_patches(self, patches: Sequence[EnginePatch]) -> int:
         """One sparse update: announce the patched tensors and their counts, broadcast the encoded patches (the
         chunks of `plan_chunks` over each tensor's three segments). Returns the bytes broadcast."""
-        from fsdp_sync.sparse import encode_indices
+        from fsdp_sync.sync.patches import encode_patch
 
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized (trainer_init failed or was not called).")
@@ -621,9 +650,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         segments: list[ParamMeta] = []
         tensors: list[tuple[str, torch.Tensor]] = []
         for p in patches:
-            low16, per_block = encode_indices(p.indices, math.prod(p.shape))
-            for part, t in zip(("blocks", "indices", "values"), (per_block, low16, p.values.to(p.dtype)), strict=True):
-                raw = t.contiguous().view(torch.uint8).cpu()
+            for part, raw in zip(("blocks", "indices", "values"), encode_patch(p), strict=True):
                 segments.append(ParamMeta(f"{p.name}:{part}", torch.uint8, (raw.numel(),)))
                 tensors.append((segments[-1].name, raw))
         if [m.shape[0] for m in segments] != update.segment_sizes():

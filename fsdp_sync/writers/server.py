@@ -507,7 +507,7 @@ class ServerWriter:
     def patch_refusals(self) -> dict[str, str]:
         from fsdp_sync.transfer.plugin import SPARSE_ENV
 
-        from ..verify import EMPTY_DIGEST
+        from ..sync.verify import EMPTY_DIGEST
 
         assert self.client is not None
         refused: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""Sparse delta syncs (`fsdp_sync.sparse`) on real sharded models, 2 gloo ranks: every rank's pieces are disjoint and
+"""Sparse delta syncs (`fsdp_sync.sync.sparse`, `fsdp_sync.sync.patches`) on real sharded models, 2 gloo ranks: every rank's pieces are disjoint and
 cover each full tensor, and the joined patches turn the weights last pushed into the new ones cast to the engine
 dtype, bit for bit, after real optimizer steps; FSDP1 (original and flat parameters), FSDP2 and DDP."""
 
@@ -12,7 +12,8 @@ from fsdp_sync.backend import detect_backend
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.gather import make_gatherer
 from fsdp_sync.memory import MemoryMeter
-from fsdp_sync.sparse import Snapshot, gather_patches
+from fsdp_sync.sync.patches import gather_patches
+from fsdp_sync.sync.sparse import Snapshot
 from fsdp_sync._demo.dist import run_distributed
 
 from .models import tiny_lm, train_step, wrap

@@ -22,7 +22,7 @@ from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import EngineState, SyncError
 from fsdp_sync.gather import make_gatherer
-from fsdp_sync.pipeline import WeightSync
+from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync._demo.dist import run_distributed
 from fsdp_sync.writers import EnginePushError
 

@@ -1,4 +1,4 @@
-"""Delta syncs (`fsdp_sync.delta`, `SyncConfig(delta=True)`): the engine grouping, the fingerprints, and the
+"""Delta syncs (`fsdp_sync.sync.delta`, `SyncConfig(delta=True)`): the engine grouping, the fingerprints, and the
 pipeline's choice of what each sync sends, with the fake gatherer and writer of `test_pipeline.py`.
 
 The end-to-end tests (`tests/e2e/test_delta.py`) check the same on the real vLLM CPU engine, bit for bit.
@@ -14,8 +14,8 @@ import torch
 
 from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
-from fsdp_sync.delta import DeltaTracker, EngineGroups, fingerprints
-from fsdp_sync.pipeline import WeightSync
+from fsdp_sync.sync.delta import DeltaTracker, EngineGroups, fingerprints
+from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.config import SyncConfig
 
 from .test_pipeline import EMBED, NORM, Q_PROJ, WRAPPED_EMBED, WRAPPED_NORM, WRAPPED_Q_PROJ, FakeGatherer, FakeWriter
@@ -132,7 +132,7 @@ def test_a_trainable_part_of_a_fused_module_sends_the_whole_module() -> None:
 def test_fingerprints_see_one_changed_element_and_a_swap(dtype: torch.dtype, size: int) -> None:
     """Both fingerprints (CRC-32 on the CPU; position-weighted int64 sums, used on accelerators, run here on the
     CPU) change with one changed element and with two swapped ones, and are equal for equal tensors."""
-    from fsdp_sync.delta import _crc_fingerprint, _sum_fingerprint
+    from fsdp_sync.sync.delta import _crc_fingerprint, _sum_fingerprint
 
     torch.manual_seed(0)
     base = torch.randn(size, dtype=dtype)
@@ -181,7 +181,7 @@ def test_a_skipped_weight_changed_in_place_is_found_sent_and_logged(caplog: pyte
     sync.sync()
     with torch.no_grad():
         tensors[WRAPPED_NORM][2] += 1  # behind the optimizer's back
-    with caplog.at_level(logging.WARNING, logger="fsdp_sync.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_sync.sync.delta"):
         report = sync.sync()
     assert report.changed_skipped == 1
     assert sorted(name for name, _ in writer.received) == sorted([Q_PROJ, NORM])

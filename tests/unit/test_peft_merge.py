@@ -361,7 +361,7 @@ def test_stream_keeps_the_gather_order_while_a_merge_waits_for_its_adapters(qwen
     from fsdp_sync.distributed import Rounds
     from fsdp_sync.gather import PlainGatherer
     from fsdp_sync.memory import MemoryMeter
-    from fsdp_sync.stream import WeightStream
+    from fsdp_sync.sync.stream import WeightStream
 
     model = _lora(qwen2_dir)
     merge, rules = _merge(model)

@@ -1,4 +1,4 @@
-"""`fsdp_sync.pipeline`: plan, manifest check, copy and cast decisions, stream completeness and the report.
+"""`fsdp_sync.sync.pipeline`: plan, manifest check, copy and cast decisions, stream completeness and the report.
 
 The gatherer and writer here are plain fakes implementing the protocols of `gather/base.py` and `writers/base.py`, so
 that every decision of the pipeline (not of a backend or an engine) is observable: what was asked, what was written.
@@ -20,8 +20,8 @@ from fsdp_sync.compat.names import NameRules, canonical_name
 from fsdp_sync.distributed import Coordinator
 from fsdp_sync.errors import RankFailure, SyncError
 from fsdp_sync.memory import MemoryMeter
-from fsdp_sync.pipeline import WeightSync
-from fsdp_sync.stream import IncompleteSyncError, SyncPlan, build_plan
+from fsdp_sync.sync.pipeline import WeightSync
+from fsdp_sync.sync.stream import IncompleteSyncError, SyncPlan, build_plan
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.report import SyncReport
 
@@ -641,7 +641,7 @@ class DigestWriter(FakeWriter):
     def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
         import hashlib
 
-        from fsdp_sync.verify import tensor_bytes
+        from fsdp_sync.sync.verify import tensor_bytes
 
         engine = {name: t.clone() for name, t in self.received}
         if self.tamper is not None:
@@ -673,7 +673,7 @@ def test_engine_digests_hash_fused_parts_in_engine_order_whatever_the_arrival_or
     out of the engine's order (k before q)."""
     import hashlib
 
-    from fsdp_sync.verify import EngineDigests, tensor_bytes
+    from fsdp_sync.sync.verify import EngineDigests, tensor_bytes
 
     q, k, v = (torch.randn(4, 8) for _ in range(3))
     digests = EngineDigests(EngineNaming({"qkv_proj": ["q_proj", "k_proj", "v_proj"]}))
@@ -691,7 +691,7 @@ def test_engine_digests_accept_a_16_bit_bias_the_engine_widened_to_float32_and_n
     A wrong value is still a mismatch in either width, and a 2-D weight is never compared widened."""
     import hashlib
 
-    from fsdp_sync.verify import EngineDigests, tensor_bytes
+    from fsdp_sync.sync.verify import EngineDigests, tensor_bytes
 
     q, k, v = (torch.randn(4, dtype=torch.bfloat16) for _ in range(3))
     w = torch.randn(4, 8, dtype=torch.bfloat16)

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from fsdp_sync.compat.names import NameRules
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import SyncError
-from fsdp_sync.pipeline import WeightSync
+from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.server_client import ServerRequestError, ServerRouteMissing, ServerUnavailableError
 from fsdp_sync._demo.dist import free_port
 from fsdp_sync.transfer import gloo

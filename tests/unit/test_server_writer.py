@@ -21,7 +21,7 @@ from fsdp_sync.compat.names import NameRules
 from fsdp_sync.compat.server_api import ServerInfo, parse_server_info
 from fsdp_sync.compat.trl_api import defer_trl_weight_communicator, server_address
 from fsdp_sync.compat.weight_transfer import plan_source, source_metadata, source_tensors
-from fsdp_sync.pipeline import WeightSync
+from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.server_client import ServerConfigError, ServerRequestError
 from fsdp_sync._demo.dist import free_port
 from fsdp_sync.transfer import gloo
@@ -218,7 +218,7 @@ def test_a_failure_of_the_stream_itself_is_not_called_a_transport_failure(record
     sync, _ = recording
     sync.sync()
     sync.gatherer.values["_fsdp_wrapped_module.c.new"] = torch.zeros(1)  # the model grew after the plan was made
-    from fsdp_sync.stream import IncompleteSyncError
+    from fsdp_sync.sync.stream import IncompleteSyncError
 
     with pytest.raises(IncompleteSyncError, match="c.new"):
         sync.sync()
@@ -381,7 +381,7 @@ def _unplanned_between(sync: WeightSync) -> None:
 def test_a_stream_failure_aborts_the_gloo_round_and_keeps_the_transfer(recording) -> None:
     """gloo ends a round part-way on the server (its abort marker): the transfer stays set up, the open update
     session is closed before the next round, and nothing is re-hosted on the group port."""
-    from fsdp_sync.stream import IncompleteSyncError
+    from fsdp_sync.sync.stream import IncompleteSyncError
 
     sync, client = recording
     sync.sync()
@@ -402,7 +402,7 @@ def test_a_backend_that_cannot_abort_gets_placeholders_and_says_so(recording) ->
     sent as zeros so the server finishes the round, and the error names them as undefined on the server."""
     from dataclasses import replace
 
-    from fsdp_sync.stream import IncompleteSyncError
+    from fsdp_sync.sync.stream import IncompleteSyncError
 
     sync, _ = recording
     sync.writer.transport = replace(sync.writer.transport, aborts_round=False)

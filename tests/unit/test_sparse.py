@@ -1,11 +1,13 @@
-"""The snapshot and patches of sparse delta syncs (`fsdp_sync.sparse`), in one process."""
+"""The snapshot and patches of sparse delta syncs (`fsdp_sync.sync.sparse`, `fsdp_sync.sync.patches`), in one process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fsdp_sync.sparse import Patch, Piece, Snapshot, gather_patches
+from fsdp_sync.gather.base import Piece
+from fsdp_sync.sync.patches import Patch, gather_patches
+from fsdp_sync.sync.sparse import Snapshot
 
 
 def _piece(values: torch.Tensor, start: int = 0, name: str = "w") -> Piece:

@@ -16,9 +16,10 @@ from fsdp_sync.compat.patch_api import EnginePatch
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import SyncError
 from fsdp_sync.memory import MemoryMeter
-from fsdp_sync.pipeline import WeightSync
-from fsdp_sync.sparse import Patch, Piece, count_changes, gather_patches, replica_piece
-from fsdp_sync.sparse_sync import patchable_tensors
+from fsdp_sync.sync.pipeline import WeightSync
+from fsdp_sync.gather.base import Piece, replica_piece
+from fsdp_sync.sync.patches import Patch, count_changes, gather_patches
+from fsdp_sync.sync.sparse import patchable_tensors
 from fsdp_sync.transfer.gloo import GlooUpdateInfo
 
 Q = "model.layers.0.self_attn.q_proj.weight"
@@ -155,7 +156,7 @@ def test_dense_first_then_patches_and_dense_over_the_threshold_with_its_engine_m
 
 
 def test_a_sync_that_goes_mostly_whole_backs_off_to_dense_syncs_then_tries_again() -> None:
-    from fsdp_sync.sparse_sync import BACKOFF_SYNCS
+    from fsdp_sync.sync.sparse import BACKOFF_SYNCS
 
     tensors = _model()
     engine = Engine(tensors)

@@ -24,8 +24,8 @@ import torch
 
 from fsdp_sync.compat.engine_api import EngineNaming
 from fsdp_sync.compat.weight_transfer import plan_source, register_backends, source_metadata, source_tensors
-from fsdp_sync.delta import EngineGroups
-from fsdp_sync.verify import EngineDigests
+from fsdp_sync.sync.delta import EngineGroups
+from fsdp_sync.sync.verify import EngineDigests
 from fsdp_sync._demo.vllm_release import release_dir
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,7 +28,7 @@ from fsdp_sync.compat.layout import TransformersLayout, layout_for
 from fsdp_sync.compat.manifest import TensorSpec
 from fsdp_sync.compat.names import NameRules
 from fsdp_sync.gather.plain import PlainGatherer
-from fsdp_sync.stream import SyncPlan, build_plan
+from fsdp_sync.sync.stream import SyncPlan, build_plan
 from fsdp_sync._demo.models import read_checkpoint
 
 # Token ids inside the tiny vocabulary (the families' defaults point past it).

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from fsdp_sync.kernels.extract import CHUNK, kind_of
-from fsdp_sync.sparse import Patch, Piece, Snapshot, count_changes
+from fsdp_sync.gather.base import Piece
+from fsdp_sync.sync.patches import Patch, count_changes
+from fsdp_sync.sync.sparse import Snapshot
 
 from .support import needs_kernels
 

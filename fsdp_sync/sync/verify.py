@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 
-__all__ = ["EMPTY_DIGEST", "EngineDigests", "VerifyResult", "tensor_bytes"]
+from ..distributed import Coordinator, agreed
+from ..errors import EngineState, RankFailure, SyncError, VerifyError, agreed_error
+from ..faults import fault_point
+
+__all__ = ["EMPTY_DIGEST", "EngineDigests", "VerifyResult", "tensor_bytes", "verify_push"]
 
 EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 
@@ -259,3 +263,38 @@ class EngineDigests:
             self._sent_before.update(self._sent)
             self._engine_before = {(i, n): d for i, engine in enumerate(replicas) for n, d in engine.items()}
         return result
+
+
+def verify_push(
+    coordinator: Coordinator,
+    engine_digests: Callable[[], tuple[list[dict[str, str]], bool]],
+    digests: EngineDigests | None,
+    pushed: EngineState | None,
+) -> VerifyResult:
+    """Compare the engine's own digests (`EngineWriter.engine_digests`) with what this rank sent (`digests`; None on
+    a rank without an engine, which takes part in the agreement only); agreed on every rank.
+
+    Args:
+        pushed: this rank's engine state after the push (what it still holds unless its digests differ).
+
+    Raises:
+        VerifyError: on every rank, when any rank's engine differs from what it was sent.
+    """
+
+    def work() -> VerifyResult:
+        if digests is None:
+            return VerifyResult()
+        fault_point("verify")
+        replicas, sharded = engine_digests()
+        result = digests.compare(replicas, sharded=sharded)
+        if result.failed:
+            raise VerifyError(result.describe())
+        return result
+
+    def failed(error: Exception | None, failures: list[RankFailure]) -> SyncError:
+        engine = pushed
+        if isinstance(error, VerifyError):  # the weights named in its message differ from what was sent
+            engine = EngineState("undefined", note="the engine's weights differ from what was sent")
+        return agreed_error(error, failures, engine)
+
+    return agreed(coordinator, "verify", work, failed)

@@ -21,12 +21,12 @@ from fsdp_sync.compat.layout import IdentityLayout, Layout
 from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 
-from .distributed import Rounds
-from .errors import StreamInterrupted, SyncError, SyncTimeoutError
-from .faults import fault_point
-from .gather.base import GatherFailed, Gatherer
-from .memory import MemoryMeter
-from .peft_merge import PeftMerge
+from ..distributed import Rounds
+from ..errors import StreamInterrupted, SyncError, SyncTimeoutError
+from ..faults import fault_point
+from ..gather.base import GatherFailed, Gatherer
+from ..memory import MemoryMeter
+from ..peft_merge import PeftMerge
 from .verify import EngineDigests
 
 __all__ = ["IncompleteSyncError", "MergeInputs", "StreamPass", "SyncPlan", "WeightStream", "build_plan"]

@@ -25,22 +25,30 @@ position-weighted integer sums of its bits on an accelerator (no copy to the hos
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import time
 import zlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 from fsdp_sync.compat.manifest import PlannedTensor
 
-from . import bitsums
-from .kernels import runtime as kernels
-from .kernels.runtime import HostReadback
+from .. import bitsums
+from ..distributed import Coordinator, own_failure, world_size
+from ..errors import EngineState, SyncError, SyncStageError, agreed_error
+from ..faults import fault_point
+from ..gather.base import Gatherer
+from ..kernels import runtime as kernels
+from ..kernels.runtime import HostReadback
+from ..writers.base import VersionedWriter
+from .select import Payload, Selection, Settled
+from .stream import SyncPlan
 
-__all__ = ["DeltaTracker", "EngineGroups", "Fingerprinter", "Selection", "fingerprints", "nbytes"]
+__all__ = ["DeltaPolicy", "DeltaTracker", "EngineGroups", "Fingerprinter", "Selection", "fingerprints", "nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -209,25 +217,6 @@ class EngineGroups:
         return prefix in self._ancestors
 
 
-@dataclass(frozen=True)
-class Selection:
-    """What one sync gathers and sends.
-
-    Attributes:
-        complete: every planned tensor (the first sync, after a failure or a structure change, or delta off).
-        gather: trainer names to gather (None: all).
-        tensors: the planned tensors sent, in stream order.
-        skipped: planned tensors not sent.
-        changed: trainer names among the skipped ones that changed since they were last pushed (sent this time).
-    """
-
-    complete: bool
-    gather: frozenset[str] | None
-    tensors: tuple[PlannedTensor, ...]
-    skipped: tuple[PlannedTensor, ...] = ()
-    changed: tuple[str, ...] = ()
-
-
 class DeltaTracker:
     """The delta plan of one model structure and the fingerprints of the weights it skips.
 
@@ -359,3 +348,159 @@ def nbytes(tensors: Iterable[PlannedTensor], engine_dtype: torch.dtype | None) -
         dtype = engine_dtype if (engine_dtype is not None and t.spec.dtype.is_floating_point) else t.spec.dtype
         total += math.prod(t.spec.shape) * dtype.itemsize
     return total
+
+
+class DeltaPolicy:
+    """`SyncConfig(delta=True)`: after one complete sync, send what can have changed, and prove every sync that the
+    rest did not (the fingerprints of every rank's shards of what is skipped, agreed between ranks).
+
+    Args:
+        gatherer: the trainer's gatherer (what is trainable, this rank's shards).
+        coordinator: the sync's control plane (the agreement on what each rank found).
+        check: fingerprint the skipped weights (`SyncConfig.delta_check`).
+        merge_names: the trainer names PEFT adapters merge into (their base weights are sent with the adapters).
+        versions: the pushing writer's weight versions (`VersionedWriter`), or None: a restarted or replaced engine
+            makes the sync complete.
+        unchanged: what this rank's engine holds when nothing was sent (None on a rank without an engine).
+        device: where the trainer computes (one CUDA rank: logged once that complete syncs measured faster there).
+    """
+
+    needs_layout = True
+
+    def __init__(
+        self,
+        gatherer: Gatherer,
+        coordinator: Coordinator,
+        *,
+        check: bool,
+        merge_names: frozenset[str],
+        versions: VersionedWriter | None,
+        unchanged: Callable[[], EngineState | None],
+        device: torch.device,
+    ) -> None:
+        self.gatherer = gatherer
+        self.coordinator = coordinator
+        self.check = check
+        self.merge_names = merge_names
+        self.versions = versions
+        self.unchanged = unchanged
+        self.device = device
+        self.groups: EngineGroups | None = None
+        self.tracker: DeltaTracker | None = None
+
+    def survey(self, plan: SyncPlan, layout: EngineLayout | None) -> EngineGroups:
+        assert layout is not None
+        return EngineGroups.of(layout)
+
+    def adopt(self, plan: SyncPlan, found: EngineGroups) -> None:
+        # NOTE: the selection decides which collectives run, so every rank must make the same one: the engine's
+        # grouping is read where the engine is known (rank 0; in server mode only it talks to the server).
+        self.groups = found
+
+    def choose(self, plan: SyncPlan) -> Payload:
+        return self.decide(plan)[0]
+
+    def decide(self, plan: SyncPlan, *, ready: bool = False) -> tuple[Payload, bool]:
+        """What this sync sends, and whether `ready` holds on every rank (a flag of the policy built on this one,
+        agreed in the same exchange: the sparse snapshot's)."""
+        started = time.perf_counter()
+        changed: list[str] = []
+        error: Exception | None = None
+        structure, primed, replaced = "", False, None
+        try:
+            fault_point("check")
+            trainable = self.gatherer.trainable()
+            tracker = self.tracker
+            if tracker is None or tracker.trainable != trainable:  # new, or the trainable set changed: complete first
+                tracker = self.tracker = self._tracker(plan, trainable)
+            primed = tracker.primed
+            if primed and self.versions is not None:
+                replaced = self.versions.replaced()
+            if primed and self.check:
+                changed = tracker.changed(self.gatherer.local_shards(tracker.watched))
+            # NOTE: a stable digest (str hashes differ between processes).
+            structure = hashlib.sha256("\n".join(sorted(trainable)).encode()).hexdigest()
+        except Exception as e:
+            error = e
+        state = (structure, primed, changed, own_failure("check", error), ready, replaced)
+        try:
+            states = self.coordinator.exchange(state)
+        except SyncError as e:
+            e.engine = e.engine or self.unchanged()
+            raise
+        failures = [s[3] for s in states if s[3] is not None]
+        if failures:
+            # A writer that could not ask its engine (a server that does not answer) says what it holds.
+            engine = error.engine if isinstance(error, SyncError) and error.engine is not None else self.unchanged()
+            raise agreed_error(error, failures, engine)
+        if len({s[0] for s in states}) > 1:
+            raise SyncStageError(
+                "The trainable parameters (requires_grad) differ between ranks; every rank must train the same ones "
+                "(the ranks would gather different units). Nothing was sent."
+            )
+        seconds = time.perf_counter() - started
+        tracker = self.tracker
+        assert tracker is not None
+        found = [f"rank {r}: {s[5]}" for r, s in enumerate(states) if s[5]]
+        if found:
+            logger.warning("weight sync: this sync sends every weight whole: %s", "; ".join(found))
+        if found or not all(s[1] for s in states):
+            # NOTE: on every rank, whichever rank is not primed: a rank whose policy state survived would choose the
+            # next sync from weights this complete sync replaces (`resync` may have been called on one rank only).
+            self.forget()
+            selection = tracker.complete()
+            return Payload(selection, selection.tensors, None, fresh=True, check_seconds=seconds), False
+        union = sorted({name for s in states for name in s[2]})
+        if union:
+            logger.warning(
+                "weight sync: %d skipped weight(s) changed since they were last pushed; sending them: %s",
+                len(union),
+                ", ".join(plan.targets.get(n, n) for n in union),
+            )
+        selection = tracker.select(union)
+        payload = Payload(selection, selection.tensors, selection.gather, check_seconds=seconds)
+        return payload, all(s[4] for s in states)
+
+    def _tracker(self, plan: SyncPlan, trainable: frozenset[str]) -> DeltaTracker:
+        assert self.groups is not None
+        # NOTE: merge targets are the model's own names, the tracker's are checkpoint names; they differ where
+        # transformers converts the layout at load (VLMs: `model.language_model.*` is `model.*` on disk).
+        merged = frozenset(
+            t.name for t in plan.tensors if any(plan.targets.get(s) in self.merge_names for s in t.sources)
+        )
+        tracker = DeltaTracker(plan.tensors, trainable, merged, self.groups)
+        if self.device.type == "cuda" and world_size() == 1 and tracker.watched:
+            # NOTE: measured on one H200 (docs/delta.md): with no all-gather to save, the check costs more than the
+            # copies a delta sync skips. Kept on: the default is the safe one everywhere.
+            logger.info(
+                "weight sync: one CUDA rank: a complete sync (SyncConfig(delta=False)) measured faster than a checked "
+                "delta sync here; delta syncs pay off with several ranks or a server (docs/delta.md)"
+            )
+        return tracker
+
+    def settle(self, payload: Payload) -> Settled:
+        """After a successful push: fingerprint what was skipped (complete) or the skipped weights that were sent."""
+        tracker = self.tracker
+        if tracker is None:
+            return Settled()
+        started = time.perf_counter()
+        selection = payload.selection
+        if selection.complete:
+            tracker.mark_complete()
+        if self.check:
+            try:
+                if selection.complete:
+                    tracker.record(self.gatherer.local_shards(tracker.watched))
+                elif selection.changed:
+                    tracker.record(self.gatherer.local_shards(selection.changed), only=selection.changed)
+            except Exception as e:  # local work: the next sync's agreement sees this rank unprimed; all go complete
+                logger.warning("weight sync: could not fingerprint the skipped weights (%s); the next sync is complete", e)
+                tracker.forget()
+        return Settled(check_seconds=time.perf_counter() - started)
+
+    def forget(self) -> None:
+        if self.tracker is not None:
+            self.tracker.forget()
+
+    def figures(self) -> dict[str, int]:
+        return {}

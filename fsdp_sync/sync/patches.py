@@ -1,33 +1,24 @@
-"""Sparse delta syncs: find the engine-dtype elements that changed since the last push, on each rank's own shards,
-and gather (index, value) patches instead of full weights.
+"""The patches of sparse syncs, as they travel: a patch (the changed elements of one tensor, by flat index into the
+full tensor), every rank's change counts, and the codec and collectives that join every rank's patches, the same
+encoding the gloo backend's patch round sends to a server.
 
-Why: the engine holds bf16 (or fp16) weights, and at RL learning rates an fp32 optimizer step changes few of their
-bf16 values (PULSE, arXiv 2602.03839: over 99% unchanged per step; measured here in `benchmarks/sparse.py`). A
-complete or tensor-level delta sync still gathers and moves every changed tensor whole.
-
-How: each rank keeps a *snapshot*, its own pieces of the synced weights in the engine dtype as they were last pushed
-(about model size x engine itemsize / world size bytes per rank). A sparse sync casts each piece to the engine dtype
-again, compares the bits with the snapshot (bitwise, so -0.0 vs 0.0 and NaN payloads count as changes), and keeps the
-positions that differ, as flat indices into the *full* tensor: a piece is a contiguous run of the flattened full
-tensor (FSDP1's flat-parameter shards, FSDP2's dim-0 shards), so a local position plus the piece's start is a full
-one. The ranks' pieces are disjoint, so the union of every rank's patches is the full patch of a tensor, and no rank
-ever holds a full weight.
-
-Exactness: the new snapshot is what is sent (`Snapshot.diff` replaces each piece with its new values), so the engine
-equals the snapshot after a successful push; a failed push, a new trainable set or an engine restart must make the
-next sync dense (`Snapshot.forget`), which takes the snapshot again.
+Indices travel as their low 16 bits, grouped by block of 2**16 elements with a count per block (`encode_indices`,
+`decode_indices`): 2 bytes per change plus 4 per block and rank, instead of 8. The decisions that read the counts (what
+goes whole) are `fsdp_sync.sync.sparse`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .kernels import runtime as kernels
-from .kernels.extract import Extractor, Kind, kind_of
+from fsdp_sync.compat.manifest import PlannedTensor
+from fsdp_sync.compat.patch_api import EnginePatch
+
 
 __all__ = [
     "Counts",
@@ -35,36 +26,20 @@ __all__ = [
     "Joined",
     "Packed",
     "Patch",
-    "Piece",
-    "Snapshot",
+    "SparseRound",
     "count_changes",
     "decode_indices",
+    "decode_patch",
     "encode_indices",
+    "encode_patch",
     "exchange_counts",
     "exchange_patches",
     "gather_patches",
     "index_blocks",
     "local_counts",
     "pack_patches",
-    "replica_piece",
     "unpack_patches",
 ]
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@dataclass(frozen=True)
-class Piece:
-    """This rank's part of one full tensor: `values` (1-D) is `full.flatten()[start : start + values.numel()]`.
-
-    A rank that holds a replica rather than its own part (DDP, a parameter FSDP ignores, a replicated mesh dimension)
-    gives an empty piece on every rank but one, so that pieces stay disjoint.
-    """
-
-    name: str
-    values: torch.Tensor
-    start: int
-
 
 @dataclass(frozen=True)
 class Patch:
@@ -81,97 +56,6 @@ class Patch:
     @property
     def count(self) -> int:
         return self.indices.numel()
-
-
-def replica_piece(name: str, tensor: torch.Tensor, reporter: bool) -> Piece:
-    """The piece of a tensor every rank holds whole: all of it on the one rank that reports it, empty elsewhere."""
-    flat = tensor.detach().reshape(-1)
-    return Piece(name, flat if reporter else flat[:0], 0)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_BITS[t.element_size()])
-
-
-class Snapshot:
-    """What the engine holds for this rank's pieces, in the engine dtype.
-
-    Args:
-        dtype: the engine dtype floating pieces are cast to (None: keep each piece's own).
-    """
-
-    def __init__(self, dtype: torch.dtype | None) -> None:
-        self.dtype = dtype
-        self._held: dict[str, tuple[int, torch.Tensor]] = {}
-        self._valid = False
-        self._extractors: dict[tuple[Kind, torch.device], Extractor] = {}  # their tables: of the held tensors
-
-    @property
-    def valid(self) -> bool:
-        """Whether the engine holds the snapshot (a push of it succeeded and nothing since made it doubtful)."""
-        return self._valid
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self._held.values())
-
-    def _cast(self, values: torch.Tensor) -> torch.Tensor:
-        dtype = self.dtype if self.dtype is not None and values.is_floating_point() else values.dtype
-        return values.detach().reshape(-1).to(dtype, copy=True)
-
-    def take(self, pieces: Iterable[Piece]) -> None:
-        """Hold these pieces (as the engine dtype) as what the engine holds: after a dense push of them."""
-        self._held = {p.name: (p.start, self._cast(p.values)) for p in pieces}
-
-    def commit(self) -> None:
-        """The push of the held values succeeded: the next sync may be sparse."""
-        self._valid = True
-
-    def forget(self) -> None:
-        """The engine may hold anything (a failed push, a restart): the next sync is dense and takes it again."""
-        self._held = {}
-        self._valid = False
-
-    def diff(self, pieces: Iterable[Piece]) -> dict[str, Patch]:
-        """The changed elements of each piece since the snapshot, as full-tensor positions; the snapshot then holds
-        the new values (call `commit` once they are pushed, `forget` when the push failed).
-
-        NOTE: where the kernels run (CUDA), the pieces they read (`extract.kind_of`) go through one extraction of
-        two launches per kind (`fsdp_sync.kernels.extract`: the same patches, bit for bit, written into the snapshot
-        in place); the others one by one, in torch.
-
-        Raises:
-            KeyError: a piece the snapshot does not hold (the sync's structure changed: take it again).
-        """
-        patches: dict[str, Patch | None] = {}
-        batched: dict[tuple[Kind, torch.device], list[tuple[str, torch.Tensor, torch.Tensor, int]]] = {}
-        for piece in pieces:
-            start, old = self._held[piece.name]
-            if start != piece.start or old.numel() != piece.values.numel():
-                raise KeyError(f"{piece.name}: the piece moved since the snapshot (start {start} -> {piece.start})")
-            kind = kind_of(piece.values, old) if kernels.usable(old.device) else None
-            if kind is None:
-                patches[piece.name] = self._diff_one(piece, start, old)
-            else:
-                patches[piece.name] = None  # in stream order; filled below
-                batched.setdefault((kind, old.device), []).append((piece.name, piece.values.detach(), old, start))
-        for key, items in batched.items():
-            extractor = self._extractors.get(key)
-            if extractor is None:
-                extractor = self._extractors[key] = Extractor(key[0])
-            found = extractor([new for _, new, _, _ in items], [old for _, _, old, _ in items],
-                              [start for *_, start in items])  # fmt: skip
-            for (name, *_), (indices, values, nan) in zip(items, found, strict=True):
-                patches[name] = Patch(indices, values, nan)
-        self._valid = False
-        return patches  # type: ignore[return-value]
-
-    def _diff_one(self, piece: Piece, start: int, old: torch.Tensor) -> Patch:
-        """The torch path of one piece (the reference of the kernels)."""
-        new = self._cast(piece.values)
-        local = torch.nonzero(_bits(new) != _bits(old)).reshape(-1)
-        self._held[piece.name] = (start, new)
-        return Patch(local + start, new[local])
 
 
 # Indices travel as their low 16 bits, grouped by block of 2**16 elements, with a count per block: 2 bytes per change
@@ -197,6 +81,51 @@ def decode_indices(low16: torch.Tensor, per_block: torch.Tensor) -> torch.Tensor
     low = low16.to(torch.int64) & 0xFFFF
     block = torch.repeat_interleave(torch.arange(per_block.numel(), device=low.device), per_block.to(torch.int64))
     return (block << _BLOCK_BITS) | low
+
+
+@dataclass(frozen=True)
+class SparseRound:
+    """One sparse sync's plan and payload.
+
+    Attributes:
+        dense: the planned tensors sent whole this time, in stream order.
+        patches: the patches, on the ranks that push (colocate: every rank; server mode: rank 0).
+        patched_tensors: how many tensors travel as patches (on every rank).
+        diffed_elements: the elements of every tensor diffed (patched or sent whole after the diff).
+        changed_elements: the changed elements among them.
+        patched_elements: the elements of the tensors sent as patches.
+        wire_bytes: bytes of the patch collectives as one rank receives them.
+    """
+
+    dense: tuple[PlannedTensor, ...]
+    patches: tuple[EnginePatch, ...]
+    patched_tensors: int
+    diffed_elements: int
+    changed_elements: int
+    patched_elements: int
+    wire_bytes: int
+
+    @property
+    def patched_share(self) -> float:
+        """Of the diffed elements, the share sent as patches (not whole)."""
+        return self.patched_elements / self.diffed_elements if self.diffed_elements else 1.0
+
+
+def encode_patch(patch: EnginePatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One patch as the bytes of its three segments, on the host: its changes per block (int32), the low 16 bits of
+    each changed index (int16), and the new values (in the patch's dtype). The gloo backend's patch round sends these;
+    `decode_patch` reads them back."""
+    low16, per_block = encode_indices(patch.indices, math.prod(patch.shape))
+    values = patch.values.to(patch.dtype)
+    return tuple(t.contiguous().view(torch.uint8).cpu() for t in (per_block, low16, values))  # type: ignore[return-value]
+
+
+def decode_patch(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, blocks: torch.Tensor, low16: torch.Tensor, values: torch.Tensor
+) -> EnginePatch:
+    """The patch `encode_patch` wrote, from its three segments' bytes."""
+    indices = decode_indices(low16.view(torch.int16), blocks.view(torch.int32))
+    return EnginePatch(name, shape, dtype, indices, values.view(dtype))
 
 
 @dataclass(frozen=True)

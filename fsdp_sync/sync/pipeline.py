@@ -1,0 +1,241 @@
+"""One sync, in the order every mode shares: plan -> check -> select -> push -> verify -> settle -> report.
+
+Where each step lives (`fsdp_sync/sync/`): the plan and the checks before any gather (`plan.py`), what this sync
+sends (a selection policy chosen once, `select.py`: everything, `delta.py`, `sparse.py`), the data path (`stream.py`),
+the push with this rank's role decided once (`push.py`), the engine's digests (`verify.py`). `WeightSync` knows the
+order of the steps, never the modes.
+
+Failure behaviour (docs/failures.md): whatever fails on one rank, every rank finishes its part of the gathers, then
+all ranks agree on the outcome within `SyncConfig.sync_timeout_s`, and every rank raises one `SyncError` naming each
+failing rank, its stage and its error, and what its own engine holds; the next sync is then complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from fsdp_sync.compat.layout import Layout
+from fsdp_sync.compat.names import NameRules
+
+from ..config import SyncConfig
+from ..distributed import Coordinator
+from ..errors import SyncError
+from ..gather.base import Gatherer
+from ..memory import MemoryMeter
+from ..peft_merge import PeftMerge
+from ..report import SyncReport
+from ..writers.base import BoundedWriter, EngineWriter, PatchWriter
+from .delta import DeltaPolicy, nbytes
+from .plan import check_finite, make_plan
+from .push import Push
+from .select import Everything, SelectionPolicy
+from .sparse import SparsePolicy
+from .stream import SyncPlan, WeightStream
+from .verify import EngineDigests, VerifyResult, verify_push
+
+__all__ = ["WeightSync", "policy_for"]
+
+logger = logging.getLogger(__name__)
+
+# What `WeightSync` does when given no config: every sync complete (the mixin passes the user's `SyncConfig`,
+# whose default is delta syncs).
+_COMPLETE = SyncConfig(delta=False)
+
+
+class WeightSync:
+    """Joins one weight stream and one writer; `sync()` runs one push.
+
+    Args:
+        gatherer: produces full tensors by trainer name.
+        writer: the engine transport.
+        config: the sync's options; without one, every sync is complete and nothing optional runs.
+        rules: name-mapping tables for this model.
+        layout: converts trainer layout to checkpoint layout (identity for most models).
+        merge: adds PEFT adapter deltas to their base weights (PEFT models only).
+        backend: name of the detected backend, for reports.
+        device: device of the full tensors, for memory measurement.
+        uncast: checkpoint names sent in the trainer's dtype (the engine keeps them wider than its own dtype:
+            `EngineManifest.wider`); never patched (a patch carries engine-dtype values).
+    """
+
+    def __init__(
+        self,
+        gatherer: Gatherer,
+        writer: EngineWriter,
+        config: SyncConfig | None = None,
+        *,
+        rules: NameRules | None = None,
+        layout: Layout | None = None,
+        merge: PeftMerge | None = None,
+        backend: str = "",
+        device: torch.device | str = "cpu",
+        uncast: frozenset[str] = frozenset(),
+    ) -> None:
+        self.config = config or _COMPLETE
+        self.gatherer = gatherer
+        self.writer = writer
+        self.backend = backend
+        self.meter = MemoryMeter(torch.device(device))
+        self.stream = WeightStream(
+            gatherer, rules=rules, layout=layout, merge=merge, dtype=writer.engine_dtype, meter=self.meter, uncast=uncast
+        )
+        self.coordinator = Coordinator(self.config.sync_timeout_s)
+        self.push = Push(writer, self.stream, gatherer, self.coordinator)
+        # Decided once: whether the writer has waits outside this process to bound by the sync's deadline (a server).
+        self._bounded = writer if self.push.own_engine and isinstance(writer, BoundedWriter) else None
+        self.policy = policy_for(self, uncast)
+        self._plan: SyncPlan | None = None
+        self._digests: EngineDigests | None = None
+
+    @property
+    def merge(self) -> PeftMerge | None:
+        return self.stream.merge
+
+    @property
+    def checked_plan(self) -> SyncPlan | None:
+        """The plan once it has passed its check (first sync), else None; reading it runs no collective."""
+        return self._plan
+
+    def plan(self) -> SyncPlan:
+        """Map every trainer parameter to its checkpoint name and check the result against the engine (cached).
+
+        Raises:
+            ManifestError: on any rank, for any mismatch; raised on every rank so that none enters a collective.
+        """
+        if self._plan is None:
+            plan, self._digests = make_plan(
+                self.stream,
+                self.writer,
+                self.policy,
+                self.coordinator,
+                own_engine=self.push.own_engine,
+                check_manifest=self.config.check_manifest,
+                verify=self.config.verify,
+                unchanged=self.push.unchanged,
+            )
+            self.push.planned(plan.tensors)
+            self._plan = plan
+        return self._plan
+
+    def resync(self) -> None:
+        """Make the next sync complete (and dense): after the engine's weights were replaced outside this sync (a
+        restarted engine, a checkpoint loaded into it), when what it holds can no longer be assumed."""
+        self.policy.forget()
+        if self._digests is not None:
+            self._digests.forget()
+
+    def sync(self) -> SyncReport:
+        """Gather, map, cast and push every parameter the policy chose; every rank must call it (it runs collectives).
+
+        Raises:
+            SyncError: on every rank when any rank failed (see `push.Push.run`); `NonFiniteWeightsError` before
+                anything is sent with `check_finite`; `VerifyError` with `verify` when the engine differs from what
+                was sent; `SyncTimeoutError` when a rank does not arrive in time. The next sync is then complete.
+        """
+        config = self.config
+        self.coordinator.reopen()
+        if self._bounded is not None:
+            self._bounded.bound(time.monotonic() + _writer_budget(config.sync_timeout_s))
+        self.meter.start()
+        try:
+            plan = self.plan()
+            if config.check_finite:
+                check_finite(self.gatherer, plan, self.coordinator, self.push.unchanged)
+            payload = self.policy.choose(plan)
+            digests = self._digests
+            if digests is not None:
+                digests.reset()
+                if payload.fresh:  # the engine was replaced: nothing to compare with what it held before
+                    digests.forget()
+            start = time.perf_counter()
+            pushed, run = self.push.run(plan, payload, digests)
+            if self.meter.device.type == "cuda":
+                torch.cuda.synchronize(self.meter.device)
+            seconds = time.perf_counter() - start + payload.patch_seconds
+            verified: VerifyResult | None = None
+            verify_seconds = 0.0
+            if config.verify:
+                started = time.perf_counter()
+                verified = verify_push(self.coordinator, self.writer.engine_digests, digests, pushed)
+                verify_seconds = time.perf_counter() - started + (digests.seconds if digests is not None else 0.0)
+                if verified.unverifiable:
+                    logger.warning("weight sync: %s", verified.describe_unverifiable())
+        except SyncError:
+            self.resync()  # the engine may hold anything the failure left: the next sync is complete
+            raise
+        settled = self.policy.settle(payload)
+        selection, sparse = payload.selection, payload.sparse
+        return SyncReport(
+            seconds=seconds,
+            bytes=run.bytes,
+            tensors=run.tensors,
+            peak_extra_bytes=self.meter.peak_extra_bytes(),
+            memory_source=self.meter.source,
+            backend=self.backend,
+            strategy=self.gatherer.strategy,
+            writer=self.writer.kind,
+            verified=verified.checked if verified is not None else None,
+            unverifiable=len(verified.unverifiable) if verified is not None else None,
+            verify_seconds=verify_seconds,
+            complete=selection.complete,
+            skipped_tensors=len(selection.skipped),
+            skipped_bytes=nbytes(selection.skipped, self.writer.engine_dtype),
+            changed_skipped=len(selection.changed),
+            check_seconds=payload.check_seconds + settled.check_seconds,
+            sparse=sparse is not None,
+            patched_tensors=sparse.patched_tensors if sparse is not None else 0,
+            diffed_elements=sparse.diffed_elements if sparse is not None else 0,
+            changed_elements=sparse.changed_elements if sparse is not None else 0,
+            patched_elements=sparse.patched_elements if sparse is not None else 0,
+            patch_bytes=sparse.wire_bytes if sparse is not None else 0,
+            snapshot_bytes=self.policy.figures().get("snapshot_bytes", 0),
+            snapshot_seconds=settled.snapshot_seconds,
+            patch_seconds=payload.patch_seconds,
+        )
+
+
+def policy_for(sync: WeightSync, uncast: frozenset[str]) -> SelectionPolicy:
+    """The selection policy of `sync.config`'s mode, decided once; a new mode is one case here."""
+    config, push, writer = sync.config, sync.push, sync.writer
+
+    def delta() -> DeltaPolicy:
+        return DeltaPolicy(
+            sync.gatherer,
+            sync.coordinator,
+            check=config.delta_check,
+            merge_names=sync.merge.names if sync.merge is not None else frozenset(),
+            versions=push.versions,
+            unchanged=push.unchanged,
+            device=sync.meter.device,
+        )
+
+    match config.delta, config.sparse:
+        case False, _:
+            return Everything()
+        case True, False:
+            return delta()
+        case True, True:
+            return SparsePolicy(
+                delta(),
+                sync.gatherer,
+                sync.coordinator,
+                writer=writer if isinstance(writer, PatchWriter) else None,
+                engine_dtype=writer.engine_dtype,
+                engine_per_rank=writer.engine_per_rank,
+                max_density=config.sparse_max_density,
+                gather_patched=config.verify,
+                peft=sync.merge is not None,
+                uncast=uncast,
+                unchanged=push.unchanged,
+            )
+        case other:
+            raise ValueError(f"no selection policy for delta={other[0]!r}, sparse={other[1]!r}")
+
+
+def _writer_budget(sync_timeout_s: float) -> float:
+    """How long a writer's own waits may take in one sync: the sync's bound, less a margin in which the ranks still
+    agree before any of them gives up on the others (they wait `sync_timeout_s` at each status round)."""
+    return sync_timeout_s - min(2.0, 0.1 * sync_timeout_s)

@@ -1,0 +1,221 @@
+"""The push of one sync: the stream handed to the engine writer, the patches written after it, the push finished,
+and every rank agreeing on the outcome. A rank's role is decided once, when the sync is built: it writes into an
+engine (`_Writing`: colocated ranks, the server's sender), or only runs its share of the gathers (`_Draining`: the
+other ranks in server mode).
+
+NOTE: the gather inside the stream is a sequence of collectives that every rank runs, with a status round before
+each unit's all-gather and before each gathered unit is handed on (`distributed.Rounds`). When anything on this rank
+fails part-way (its gather work, the mapping, the merge, the cast, the engine, the transport), the writer stops
+consuming and this rank says so at the next round, where every rank stops; units handed on before it were gathered
+whole on every rank. Then all ranks agree on the outcome, on a group of their own and within `sync_timeout_s`, so a
+failure on any rank is raised on every rank and none blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from fsdp_sync.compat.manifest import PlannedTensor
+
+from ..distributed import Coordinator, Rounds
+from ..errors import EngineState, StreamInterrupted, SyncError, SyncTimeoutError, agreed_error
+from ..faults import fault_point
+from ..gather.base import Gatherer
+from ..versions import VersionStamps
+from ..writers.base import EngineWriter, PatchWriter, VersionedWriter
+from .select import Payload
+from .stream import IncompleteSyncError, StreamPass, SyncPlan, WeightStream
+from .verify import EngineDigests
+
+__all__ = ["Push"]
+
+
+class _Writing:
+    """The role of a rank that writes into an engine."""
+
+    own_engine = True
+
+    def __init__(self, writer: EngineWriter) -> None:
+        self.writer = writer
+        self.patches = writer if isinstance(writer, PatchWriter) else None
+        self.versions = writer if isinstance(writer, VersionedWriter) else None
+        self.stamps = VersionStamps()
+        self.announced: tuple[PlannedTensor, ...] = ()
+
+    def unchanged(self) -> EngineState | None:
+        return EngineState("unchanged")
+
+    def announce(self, tensors: tuple[PlannedTensor, ...], rounds: Rounds) -> None:
+        """Transports that announce tensors announce this sync's (a delta selection); local work, so a failure stops
+        every rank at the gather's first round."""
+        if tensors != self.announced:
+            rounds.attempt("push", lambda: self.writer.prepare(tensors))
+            self.announced = () if rounds.failed else tensors
+
+    def write(self, stream: Iterator[tuple[str, torch.Tensor]], rounds: Rounds, payload: Payload) -> EngineState:
+        rounds.attempt("push", lambda: fault_point("write"))  # the push starts
+        if rounds.failed:
+            return EngineState("unchanged")
+        if payload.sparse is not None and not payload.whole:
+            # Every tensor travels as patches: no stream is written (an empty reload would still touch every layer).
+            try:
+                for _ in stream:
+                    pass
+            except StreamInterrupted:
+                return EngineState("unchanged")
+            return EngineState("current")
+        try:
+            self.writer.write(_faulted(stream))
+        except Exception as e:
+            if not isinstance(e.__cause__, StreamInterrupted) and not isinstance(e, StreamInterrupted):
+                rounds.fail("push", e)  # the engine or the transport itself
+            return e.engine if isinstance(e, SyncError) and e.engine is not None else EngineState("undefined")
+        try:
+            leftover = sum(1 for _ in stream)  # a writer that returned early leaves the rest, which is counted
+        except StreamInterrupted:
+            leftover = 0
+        if rounds.error is None and leftover:
+            rounds.fail("push", IncompleteSyncError(f"{self.writer.kind} stopped {leftover} tensor(s) before the end"))
+        return EngineState("current")
+
+    def finish(self, rounds: Rounds, payload: Payload, engine: EngineState | None) -> EngineState | None:
+        """The patches (a sparse sync), then the end of the push and its weight version."""
+        if payload.patches and rounds.error is None and not rounds.stopped:
+            try:
+                fault_point("write.patches")
+                assert self.patches is not None, "a sparse payload for a writer that writes no patches"
+                self.patches.write_patches(payload.patches)
+            except Exception as e:
+                engine = e.engine if isinstance(e, SyncError) and e.engine is not None else _unpatched(payload.whole)
+                rounds.fail("push", e)
+        if rounds.error is None and not rounds.stopped:
+            try:
+                fault_point("write.finish")
+                self.writer.finish()
+                if self.versions is not None:
+                    self.versions.stamp(self.stamps.next())
+            except Exception as e:
+                rounds.fail("push", e)
+        return engine
+
+
+class _Draining:
+    """The role of a rank that writes into no engine: it runs its share of the gathers (their figures are its own)."""
+
+    own_engine = False
+    versions = None
+
+    def unchanged(self) -> EngineState | None:
+        return None
+
+    def announce(self, tensors: tuple[PlannedTensor, ...], rounds: Rounds) -> None:
+        pass
+
+    def write(self, stream: Iterator[tuple[str, torch.Tensor]], rounds: Rounds, payload: Payload) -> None:
+        try:
+            for _ in stream:
+                pass
+        except StreamInterrupted:
+            pass  # recorded in `rounds`
+        return None
+
+    def finish(self, rounds: Rounds, payload: Payload, engine: EngineState | None) -> EngineState | None:
+        return engine
+
+
+class Push:
+    """Runs the push of each sync for this rank, in its role.
+
+    Args:
+        writer: the engine transport.
+        stream: the sync's data path.
+        gatherer: the stream's gatherer (whether its tensors outlive the next unit).
+        coordinator: the sync's control plane.
+    """
+
+    def __init__(self, writer: EngineWriter, stream: WeightStream, gatherer: Gatherer, coordinator: Coordinator) -> None:
+        # NOTE: the one place the sync reads `writer.pushes`.
+        self.role: _Writing | _Draining = _Writing(writer) if writer.pushes else _Draining()
+        self.stream = stream
+        self.coordinator = coordinator
+        self.copy = writer.retains_tensors and not gatherer.tensors_outlive_step
+
+    @property
+    def own_engine(self) -> bool:
+        return self.role.own_engine
+
+    @property
+    def versions(self) -> VersionedWriter | None:
+        """The engine's weight versions, where this rank writes into an engine that keeps them."""
+        return self.role.versions
+
+    def unchanged(self) -> EngineState | None:
+        """This rank's engine when nothing was sent (None: it has none)."""
+        return self.role.unchanged()
+
+    def planned(self, tensors: tuple[PlannedTensor, ...]) -> None:
+        """The plan announced these (its `prepare`), for the next push to know what is announced already."""
+        if isinstance(self.role, _Writing):
+            self.role.announced = tensors
+
+    def run(
+        self, plan: SyncPlan, payload: Payload, digests: EngineDigests | None
+    ) -> tuple[EngineState | None, StreamPass]:
+        """Hand the stream to the writer, finish this rank's share of the gathers whatever happened, write the
+        patches, finish, then agree with every rank on the outcome before anyone goes on.
+
+        With patches, the payload's whole part is sent and the rest of what it gathers (the patched tensors, for
+        `verify`'s digests) is hashed and dropped.
+
+        Returns:
+            this rank's engine state (None on a rank without an engine), and the pass (its figures).
+
+        Raises:
+            SyncError: on every rank when any rank failed, saying what this rank's engine holds.
+        """
+        rounds = Rounds(self.coordinator)
+        self.role.announce(payload.whole, rounds)
+        run = self.stream.open(plan, rounds, select=payload.gather, copy=self.copy, digests=digests)
+        stream: Iterator[tuple[str, torch.Tensor]] = iter(run)
+        if payload.sparse is not None:
+            stream = _only(stream, frozenset(t.name for t in payload.whole))
+        engine: EngineState | None = None
+        try:
+            engine = self.role.write(stream, rounds, payload)
+            run.drain()
+        except SyncTimeoutError as e:
+            e.engine = engine
+            raise
+        engine = self.role.finish(rounds, payload, engine)
+        try:
+            failures = self.coordinator.agree_on(rounds.stage or "push", rounds.error)
+        except SyncError as e:
+            e.engine = e.engine or engine
+            raise
+        if failures:
+            raise agreed_error(rounds.error, failures, engine)
+        return engine, run
+
+
+def _unpatched(whole: Sequence[PlannedTensor]) -> EngineState:
+    """The engine after a sparse sync whose patches failed without the writer's account: the tensors sent whole
+    hold their new values, the patched ones their previous or new ones (patches are written element by element)."""
+    if not whole:
+        return EngineState("unchanged", note="the sync's patches were not written")
+    return EngineState("mixed", note="the tensors sent whole hold their new values, the patched ones old or new ones")
+
+
+def _only(stream: Iterator[tuple[str, torch.Tensor]], names: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `stream` named in `names` (the rest is consumed, for its digests, and not sent)."""
+    for name, tensor in stream:
+        if name in names:
+            yield name, tensor
+
+
+def _faulted(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream as the writer takes it, with the `write` fault point at every tensor."""
+    for name, tensor in stream:
+        fault_point("write", name=name)
+        yield name, tensor
