@@ -161,7 +161,7 @@ class FSDP2ParamGatherer:
         self, meter: MemoryMeter, select: frozenset[str] | None = None, rounds: Rounds | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         # NOTE: one round before the first all-gather only: a round per parameter would cost a collective each.
-        # A rank that fails later runs every remaining `full_tensor()` before the ranks agree (`WeightSync._push`).
+        # A rank that fails later runs every remaining `full_tensor()` before the ranks agree (`fsdp_sync.sync.push.Push.run`).
         run = sync_rounds(rounds)
         run.attempt("gather", lambda: fault_point("gather.prepare", unit=0, units=1))
         if not run.go_on():

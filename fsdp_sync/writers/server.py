@@ -12,7 +12,7 @@ Why rank 0's sends never wait on a collective the other ranks are not in: the se
 the sync's stream, and every tensor of that stream comes out of a gather that all ranks run in the same order (the
 other ranks drain the same stream). The transfer group is a separate group of the sender and the server's workers;
 the trainer's ranks run no collective inside it. After a failed send the sender drains the rest of the stream (so
-the gathers complete on every rank) before the ranks agree on the outcome (`WeightSync._push`).
+the gathers complete on every rank) before the ranks agree on the outcome (`fsdp_sync.sync.push.Push.run`).
 """
 
 from __future__ import annotations
