@@ -113,5 +113,20 @@ def wrap_fsdp(model: torch.nn.Module, backend: str, device: torch.device) -> tor
             raise ValueError(f"backend {backend!r}; valid: fsdp1, fsdp2")
 
 
+def answer_rounds_locally(coordinator: Any) -> None:
+    """Make `coordinator` (a sync's `fsdp_sync.distributed.Coordinator`) answer each status round from this rank's
+    own flag, without a collective: what the failure protocol's rounds cost is the difference (docs/failures.md).
+
+    NOTE: benchmark-side only (a failure on another rank would go unseen), through the coordinator's private round
+    record: the library offers no way to turn its rounds off, on purpose.
+    """
+    from fsdp_sync.distributed import _Round, rank
+
+    def start_round(failed: bool) -> _Round:
+        return _Round(None, torch.tensor([int(failed)], dtype=torch.uint8), (rank(),))
+
+    coordinator.start_round = start_round
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)

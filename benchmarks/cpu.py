@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .common import Measurement, measure, wrap_fsdp
+from .common import Measurement, answer_rounds_locally, measure, wrap_fsdp
 
 OURS = {"fsdp1": ["flat", "unit", "root"], "fsdp2": ["flat", "unit", "param"]}
 
@@ -96,7 +96,7 @@ def _measure_backend(
         layout=IdentityLayout(),
         backend=backend,
     )
-    syncs["flat-norounds"].coordinator.rounds_group = None  # its rounds are then answered locally
+    answer_rounds_locally(syncs["flat-norounds"].coordinator)
     # Floor: the same tensors, already full and in the engine dtype, pushed in one batched call.
     gatherer = syncs[OURS[backend][0]].gatherer
     full = [

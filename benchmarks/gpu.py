@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .common import Measurement, measure, wrap_fsdp
+from .common import Measurement, answer_rounds_locally, measure, wrap_fsdp
 
 OURS = {"fsdp1": ["flat", "unit", "root"], "fsdp2": ["flat", "unit", "param"]}
 
@@ -81,7 +81,7 @@ def _measure_backend(
     # The default without its status rounds (what the failure protocol costs, docs/failures.md):
     # benchmark-side only, the same sync with its coordinator's rounds answered locally.
     syncs["flat-norounds"] = WeightSync(flat(), writers["batched"], backend=backend, device=device)
-    syncs["flat-norounds"].coordinator.rounds_group = None  # its rounds are then answered locally
+    answer_rounds_locally(syncs["flat-norounds"].coordinator)
     syncs["flat-loop"] = WeightSync(flat(), writer, backend=backend, device=device)
     syncs["flat-graph"] = WeightSync(flat(), writers["graph"], backend=backend, device=device)
     expected = None

@@ -20,11 +20,13 @@ Each writes `<results>/<kind>.json` (raw rows), `<kind>.md` (table) and `<kind>.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from .report import plot, summarize, table
@@ -32,16 +34,32 @@ from .report import plot, summarize, table
 RESULTS = Path(__file__).parent / "results"
 
 
-def _write(kind: str, rows: list[dict], out: Path, machine: str) -> None:
+def _save(out: Path, kind: str, machine: str, rows: list[dict], render: Callable[[list[dict]], str]) -> None:
+    """`<kind>.json` (the raw rows, the machine, the date) and `<kind>.md` (its table) under `out`; prints the table.
+
+    NOTE: the date travels with the figures, so that a table quoted in the docs says when and where it was measured.
+    """
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{kind}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-    _report(kind, out)
+    measured = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    (out / f"{kind}.json").write_text(json.dumps({"machine": machine, "measured": measured, "rows": rows}, indent=1))
+    text = f"{_header(measured, machine)}\n\n{render(rows)}\n"
+    (out / f"{kind}.md").write_text(text)
+    print(text)
+
+
+def _header(measured: str | None, machine: str) -> str:
+    return f"Measured {measured}. Machine: {machine}" if measured else f"Machine: {machine}"
+
+
+def _write(kind: str, rows: list[dict], out: Path, machine: str) -> None:
+    _save(out, kind, machine, rows, lambda r: table(summarize(r)))
+    plot(summarize(rows), out / f"{kind}.png", f"weight sync, {kind}: {machine}")
 
 
 def _report(kind: str, out: Path) -> None:
     data = json.loads((out / f"{kind}.json").read_text())
     summary = summarize(data["rows"])
-    text = f"Machine: {data['machine']}\n\n{table(summary)}\n"
+    text = f"{_header(data.get('measured'), data['machine'])}\n\n{table(summary)}\n"
     (out / f"{kind}.md").write_text(text)
     plot(summary, out / f"{kind}.png", f"weight sync, {kind}: {data['machine']}")
     print(text)
@@ -108,13 +126,9 @@ def _delta(args: argparse.Namespace) -> None:
     engine = "vLLM CPU engine in each rank" if args.engine == "cpu" else f"engine-layout buffers ({args.copies} copies)"
     device = torch.cuda.get_device_name(0) if gpu else f"{platform.machine()} CPU, {os.cpu_count()} cores"
     machine = f"{device}, {world} rank(s), {engine}, torch {torch.__version__}"
-    args.results.mkdir(parents=True, exist_ok=True)
     # NOTE: the engine-layout buffers on CPU ranks (a smoke test) never replace the GPU table.
     kind = "delta-cpu" if args.engine == "cpu" else ("delta-gpu" if gpu else "delta-buffers-cpu")
-    (args.results / f"{kind}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-    text = f"Machine: {machine}\n\n{delta_table(rows)}\n"
-    (args.results / f"{kind}.md").write_text(text)
-    print(text)
+    _save(args.results, kind, machine, rows, delta_table)
 
 
 def _sparse(args: argparse.Namespace) -> None:
@@ -134,11 +148,7 @@ def _sparse(args: argparse.Namespace) -> None:
         f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo ranks, torch {torch.__version__}; Adam (no weight "
         f"decay), learning rates {', '.join(f'{lr:g}' for lr in LEARNING_RATES)}, {args.reps} steps each"
     )
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "sparse-cpu.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-    text = f"Machine: {machine}\n\n{sparse_table(rows)}\n"
-    (args.results / "sparse-cpu.md").write_text(text)
-    print(text)
+    _save(args.results, "sparse-cpu", machine, rows, sparse_table)
 
 
 def _sparse_sync(args: argparse.Namespace) -> None:
@@ -180,11 +190,7 @@ def _sparse_sync(args: argparse.Namespace) -> None:
         f"weight decay), learning rates {', '.join(f'{lr:g}' for lr in LEARNING_RATES)}, {args.steps} steps each; "
         "vLLM CPU engine (bf16): one server process (gloo transfer) or one in-process engine per rank"
     )
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "sparse-sync-cpu.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-    text = f"Machine: {machine}\n\n{sparse_sync_table(rows)}\n"
-    (args.results / "sparse-sync-cpu.md").write_text(text)
-    print(text)
+    _save(args.results, "sparse-sync-cpu", machine, rows, sparse_sync_table)
 
 
 def _server(args: argparse.Namespace) -> None:
@@ -252,11 +258,7 @@ def _kernels(args: argparse.Namespace) -> None:
     device = torch.cuda.get_device_name(0) if cuda else f"{platform.machine()} CPU (smoke test, Triton interpreter)"
     machine = f"{device}, torch {torch.__version__}"
     kind = "kernels" if cuda else "kernels-cpu"
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / f"{kind}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-    text = f"Machine: {machine}\n\n{kernels_table(rows)}\n"
-    (args.results / f"{kind}.md").write_text(text)
-    print(text)
+    _save(args.results, kind, machine, rows, kernels_table)
 
 
 def _gpu_suite(args: argparse.Namespace) -> None:

@@ -299,6 +299,7 @@ class EngineChecker:
         previous value must equal the snapshot taken before the sync; every other one (except those loaded from
         tensors named undefined) must equal the trainer's new full weight, bit for bit."""
         from fsdp_sync.compat.engine_api import engine_handle, engine_name_mapper, packed_modules
+        from fsdp_sync.compat.reload_api import load_dtypes
         from fsdp_sync._demo.engine import (
             by_engine_name,
             engine_state,
@@ -311,6 +312,9 @@ class EngineChecker:
         handle = engine_handle(llm)
         packed = packed_modules(handle.model)
         to_engine = engine_name_mapper(handle.model)
+        # NOTE: as the direct check after a good sync: rounded through the dtype its loader writes into, then widened
+        # to the parameter's own (vLLM-CPU keeps some bf16-loaded biases in float32 on CPUs with AMX).
+        loads = load_dtypes(handle.model)
         checkpoint = by_engine_name(expected_checkpoint_state(self._full_model()), to_engine)
         undefined = set(by_engine_name(dict.fromkeys(state.undefined), to_engine)) if state is not None else set()
         problems: list[str] = []
@@ -338,7 +342,7 @@ class EngineChecker:
                 if not torch_equal(value, before[name]):
                     problems.append(f"{name}: the engine was said to be unchanged, but this weight changed")
                 continue
-            if torch_equal(value, expected.to(handle.dtype)):
+            if torch_equal(value, expected.to(loads.get(name, handle.dtype)).to(value.dtype)):
                 counts["new"] += 1
             elif state is None and torch_equal(value, before[name]):
                 counts["previous"] += 1
@@ -385,9 +389,9 @@ class ServerChecker:
         import requests
         import torch
 
-        from fsdp_sync._demo.engine import LOGPROB_PROMPTS
+        from fsdp_sync._demo.engine import LOGPROB_PROMPTS, reference_at
 
-        reference = full.to(self.info.dtype).eval()
+        reference = reference_at(full, self.info.dtype)
         problems: list[str] = []
         for prompt in LOGPROB_PROMPTS:
             ids = self.trainer.processing_class(prompt)["input_ids"]
@@ -416,9 +420,9 @@ class ServerChecker:
         from fsdp_sync.compat.engine_api import engine_model_class, engine_name_mapper, packed_modules_for_architectures
         from fsdp_sync._demo.engine import (
             by_engine_name,
+            digest_matches,
             expected_checkpoint_state,
             expected_engine_tensor,
-            tensor_digest,
         )
         from fsdp_sync._demo.vllm_server import server_weight_digests
 
@@ -437,7 +441,7 @@ class ServerChecker:
                 continue
             if state is not None and state.status == "unchanged" and digest != before.get(name):
                 problems.append(f"{name}: the server was said to be unchanged, but this weight changed")
-            elif digest == tensor_digest(expected.to(self.info.dtype)):
+            elif digest_matches(digest, expected, self.info.dtype):
                 counts["new"] += 1
             elif digest == before.get(name):
                 counts["previous"] += 1

@@ -135,8 +135,8 @@ class Extractor:
             ends = torch.where(plan.last_chunk >= 0, chunk_end[plan.last_chunk.clamp(min=0)], 0)
         else:
             ends = torch.zeros(count, dtype=torch.int64, device=device)
-        total, piece_ends, nans = (t.tolist() for t in self._readback.read(cursor, ends, piece_nan))
-        (total,) = total
+        reserved, piece_ends, nans = (t.tolist() for t in self._readback.read(cursor, ends, piece_nan))
+        total = reserved[0]
         if total > capacity:
             # The chunks that did not fit wrote nothing: finish them where they reserved, in a scratch of the size.
             self.relaunched += 1
@@ -160,15 +160,19 @@ class Extractor:
         out: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         begin = 0
         for end, nan in zip(piece_ends, nans, strict=True):
-            end = end if end else begin  # a piece with no chunk
+            end = max(end, begin)  # a piece with no chunk reads 0: it ends where it begins
             out.append((out_index[begin:end], values[begin:end], bool(nan)))
             begin = end
         return out
 
     def _plan_of(
-        self, news: Sequence[torch.Tensor], snapshots: Sequence[torch.Tensor], starts: Sequence[int],
+        self,
+        news: Sequence[torch.Tensor],
+        snapshots: Sequence[torch.Tensor],
+        starts: Sequence[int],
         device: torch.device,
-    ) -> _Plan:  # fmt: skip
+    ) -> _Plan:
+        """The plan of these pieces: kept while their addresses, sizes and starts are the last call's."""
         sizes = [n.numel() for n in news]
         columns = ([n.data_ptr() for n in news], [s.data_ptr() for s in snapshots], sizes, [], list(starts))
         chunks = 0

@@ -275,6 +275,9 @@ class ServerWriter:
         # `time.monotonic()` by which every wait of the current sync ends (`bound`).
         self._deadline: float | None = None
         self._versions = ServerVersions(client) if client is not None else None
+        # The server's per-parameter digests as this plan read them (`engine_layout`), for the plan's other
+        # questions (`sparse_refusal`, `patch_refusals`); dropped when the plan is announced (`prepare`).
+        self._plan_checksums: dict[str, str] | None = None
 
     def manifest(self) -> EngineManifest:
         try:
@@ -296,6 +299,7 @@ class ServerWriter:
     def prepare(self, planned: Sequence[PlannedTensor]) -> None:
         """The announced metadata, in stream order and in the dtype each tensor is sent in (per plan, and per
         selection of a delta sync)."""
+        self._plan_checksums = None
 
         def wire_dtype(dtype: torch.dtype) -> torch.dtype:
             return self.engine_dtype if (self.engine_dtype is not None and dtype.is_floating_point) else dtype
@@ -472,7 +476,7 @@ class ServerWriter:
         architectures = (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
         naming = engine_naming_for_architectures(architectures)
         try:
-            checksums = self.client.weight_checksums()
+            checksums = self._plan_checksums = self.client.weight_checksums()
         except ServerRouteMissing as e:
             logger.warning(
                 "weight sync: %s, so its parameters cannot be listed; delta syncs send whole decoder layers (every "
@@ -497,21 +501,30 @@ class ServerWriter:
                 f"the server's {self.backend!r} weight-transfer backend takes whole tensors; sparse syncs to a server "
                 "use this package's 'gloo' backend (vLLM's sparse_nccl backend is not driven yet)"
             )
-        assert self.client is not None
         try:
-            self.client.weight_checksums()
+            self._checksums()
         except ServerRouteMissing as e:
             return f"{e}, so it cannot say which of its weights can be patched in place (vLLM >= 0.32)"
         return None
+
+    def _checksums(self) -> dict[str, str]:
+        """The server's per-parameter digests: those this plan read already, else read now.
+
+        NOTE: a plan asks three questions of them (names, sparse support, packed-away weights); each read makes the
+        server hash every weight, so they are read once per plan. `engine_digests` (verify) always reads anew.
+        """
+        assert self.client is not None
+        if self._plan_checksums is None:
+            self._plan_checksums = self.client.weight_checksums()
+        return self._plan_checksums
 
     def patch_refusals(self) -> dict[str, str]:
         from fsdp_sync.transfer.plugin import SPARSE_ENV
 
         from ..sync.verify import EMPTY_DIGEST
 
-        assert self.client is not None
         refused: dict[str, str] = {}
-        for key, digest in self.client.weight_checksums().items():
+        for key, digest in self._checksums().items():
             if digest == EMPTY_DIGEST:
                 refused[key.rsplit(":", 1)[-1]] = (
                     f"the server packed it away (vLLM-CPU); start the server with {SPARSE_ENV}=1 to keep it"

@@ -30,6 +30,7 @@ class CapturingWriter:
 
     kind = "capture"
     pushes = True
+    engine_per_rank = True
     retains_tensors = False
 
     def __init__(self, expected: dict[str, torch.Tensor], engine_dtype: torch.dtype = torch.float32) -> None:

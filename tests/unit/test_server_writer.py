@@ -22,6 +22,7 @@ from fsdp_sync.compat.server_api import ServerInfo, parse_server_info
 from fsdp_sync.compat.trl_api import defer_trl_weight_communicator, server_address
 from fsdp_sync.compat.weight_transfer import plan_source, source_metadata, source_tensors
 from fsdp_sync.sync.pipeline import WeightSync
+from fsdp_sync.sync.verify import EMPTY_DIGEST
 from fsdp_sync.server_client import ServerConfigError, ServerRequestError
 from fsdp_sync._demo.dist import free_port
 from fsdp_sync.transfer import gloo
@@ -428,3 +429,34 @@ def test_a_new_selection_is_announced_through_the_source_the_engine_holds(record
     planned = sync.checked_plan.tensors
     sync.writer.prepare(planned[:1])
     assert [m.name for m in source_metadata(engine.source)] == [planned[0].name] != first
+
+
+class ChecksumClient(FakeClient):
+    """Answers the server's per-parameter digests (one packed away), counting how often it is asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checksum_reads = 0
+
+    def weight_checksums(self) -> dict[str, str]:
+        self.checksum_reads += 1
+        return {"0:b.weight": "ab" * 32, "0:a.index": EMPTY_DIGEST}
+
+
+def test_a_plan_reads_the_servers_digests_once(tmp_path: Path) -> None:
+    """A sparse plan asks the server for its parameter names, whether it can take patches and which weights it packed
+    away: one read of its digests (each makes the server hash every weight) answers all three; the next plan reads
+    them anew, and verify's digests after a push are always fresh."""
+    client = ChecksumClient()
+    writer = ServerWriter(client, _info(), group_port=12345, checkpoint_dir=str(tmp_path), buffer_bytes=1024,  # type: ignore[arg-type]
+                          timeout_s=5)  # fmt: skip
+    for plan in (1, 2):
+        layout = writer.engine_layout()
+        assert writer.sparse_refusal() is None
+        assert set(writer.patch_refusals()) == {"a.index"}
+        assert layout.modules == frozenset({"b", "a"})
+        assert client.checksum_reads == plan
+        writer.prepare([])  # the plan is announced
+    writer.engine_digests()
+    writer.engine_digests()
+    assert client.checksum_reads == 4
