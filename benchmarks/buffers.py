@@ -42,6 +42,7 @@ class FusedBuffersWriter:
 
     kind = "buffers:vllm-fused-layout"
     pushes = True
+    engine_per_rank = True
 
     def __init__(
         self,

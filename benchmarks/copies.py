@@ -33,18 +33,27 @@ class CopyPlan:
             where that work is small against the copies' launches it saves.
         flush_bytes: the bound on pending source bytes in `batched` mode (they are kept alive until copied).
             NOTE: 256 MiB, not the whole stream: the device copies the first batch while the host still takes the
-            next tensors (a launch per dtype pair per batch; about a dozen batches at 1.5B). Not tuned: no GPU was
-            lent when this was written.
+            next tensors (a launch per dtype pair per batch; about a dozen batches at 1.5B).
+        alone_bytes: in `batched` mode, a tensor at least this large is copied at once with its own `copy_`.
+            NOTE: measured on one H100 (benchmarks/results/gpu.md, December 5, 2026): with every tensor batched, a
+            7B sync (339 tensors, 15.2 GB) took 14.6 ms against 12.1 ms one `copy_` at a time: the multi-tensor
+            kernel copies large tensors slower than a plain copy does, and a launch is nothing against their bytes.
     """
 
     def __init__(
-        self, destinations: Mapping[str, torch.Tensor], *, mode: str = "batched", flush_bytes: int = 2**28
+        self,
+        destinations: Mapping[str, torch.Tensor],
+        *,
+        mode: str = "batched",
+        flush_bytes: int = 2**28,
+        alone_bytes: int = 2**24,
     ) -> None:
         if mode not in COPY_MODES:
             raise ValueError(f"copy mode {mode!r}; valid: {', '.join(COPY_MODES)}")
         self.destinations = dict(destinations)
         self.mode = mode
         self.flush_bytes = flush_bytes
+        self.alone_bytes = alone_bytes
         self._graph: torch.cuda.CUDAGraph | None = None
         # Per copy: source address, destination address, elements, source dtype.
         self._graph_key: tuple[tuple[int, int, int, torch.dtype], ...] | None = None
@@ -64,8 +73,12 @@ class CopyPlan:
         graphed = self.mode == "graph"
         key: list[tuple[int, int, int, torch.dtype]] = []
         destinations = self.destinations
+        alone_bytes = self.alone_bytes
         for name, tensor in weights:
             destination = destinations[name]
+            if not graphed and tensor.numel() * tensor.element_size() >= alone_bytes:
+                destination.copy_(tensor)
+                continue
             pair = (tensor.dtype, destination.dtype)
             lists = pending.get(pair)
             if lists is None:

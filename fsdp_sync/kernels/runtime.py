@@ -61,10 +61,21 @@ class PointerTable:
     def get(self, columns: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
         """The table of `columns` (each as long as the number of tensors), flattened column after column."""
         key = tuple(tuple(c) for c in columns)
-        if key != self._columns or self._table is None or self._table.device != device:
+        if key != self._columns or self._table is None or self._table.device != _indexed(device):
             self._table = torch.tensor(key, dtype=torch.int64).reshape(-1).to(device)
             self._columns = key
         return self._table
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`device` with its index: a tensor's device always has one, so `cuda` must compare as the current `cuda:N`.
+
+    NOTE: compared as given, a table made for `torch.device("cuda")` was rebuilt at every call (found on an H100 by
+    `tests/unit/kernels/test_bitsums.py`).
+    """
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class HostReadback:

@@ -80,9 +80,11 @@ def _sum_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     raw = flat.view(torch.uint8)
-    # NOTE: summed as 8-byte words where the size allows (native int64 sums, a quarter of the elements of bf16):
-    # a changed element changes its word, and a swap within a word changes the word unless both are equal.
-    if raw.numel() % 8 == 0:
+    # NOTE: summed as 8-byte words where the size and the start allow (native int64 sums, a quarter of the elements
+    # of bf16): a changed element changes its word, and a swap within a word changes the word unless both are equal.
+    # A view that starts between words (a shard at an odd offset of its flat buffer) is summed by element: torch
+    # cannot view it as int64 (found on an H100, where this path runs; the CPU takes the CRC).
+    if raw.numel() % 8 == 0 and raw.data_ptr() % 8 == 0:
         bits = raw.view(torch.int64)
     else:
         bits = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() or flat.is_complex() else flat

@@ -148,6 +148,21 @@ def test_fingerprints_see_one_changed_element_and_a_swap(dtype: torch.dtype, siz
     assert names == ["x"] and torch.equal(prints[0], _crc_fingerprint(base))
 
 
+def test_the_accelerators_fingerprint_takes_a_shard_that_starts_between_words() -> None:
+    """A float32 shard at an odd offset of its flat buffer (4-byte aligned, not 8) cannot be viewed as int64 words: the
+    sums take it by element, and still see one changed element. Found on an H100, where the sums run (the CPU takes
+    the CRC); computed here on the CPU."""
+    from fsdp_sync.sync.delta import _sum_fingerprint
+
+    flat = torch.randn(2 * 8191 + 9)
+    shard = flat[1:]
+    assert shard.data_ptr() % 8 == 4 and shard.numel() * shard.element_size() % 8 == 0
+    before = _sum_fingerprint(shard)
+    assert torch.equal(before, _sum_fingerprint(flat.clone()[1:]))
+    flat[100] += 1
+    assert not torch.equal(before, _sum_fingerprint(shard))
+
+
 class GroupingWriter(FakeWriter):
     def engine_layout(self) -> EngineLayout:
         return EngineLayout(EngineNaming(PACKED), frozenset())

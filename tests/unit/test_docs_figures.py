@@ -32,7 +32,13 @@ def _quoted_tables() -> list[tuple[str, int, str, list[str]]]:
             start = i
             while i < len(lines) and lines[i].startswith("|"):
                 i += 1
-            before = "\n".join(lines[max(0, start - _LOOKBACK) : start])
+            # NOTE: the paragraph right before the table: a heading, an image or another table ends it.
+            above = []
+            for line in reversed(lines[max(0, start - _LOOKBACK) : start]):
+                if line.startswith(("#", "|", "![")):
+                    break
+                above.append(line)
+            before = "\n".join(reversed(above))
             names = _SOURCE.findall(before)
             if names:
                 found.append((doc.name, start + 1, names[-1], lines[start:i]))
