@@ -74,7 +74,13 @@ def table(summary: list[dict[str, Any]]) -> str:
 
 
 def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
+    """The figure of a table (time and peak memory per method), where matplotlib (the `bench` extra) is installed;
+    without it the tables are still written, and this says which figure was not drawn."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed (pip install '.[bench]'): {path} not drawn")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
