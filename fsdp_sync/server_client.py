@@ -146,6 +146,15 @@ class ServerClient(HTTPVLLMWeightSyncClient):
     def reset_prefix_cache(self) -> None:
         self._request("POST", "reset_prefix_cache")
 
+    def pause(self) -> None:
+        """Stop scheduling generation; requests in flight are kept, not aborted (vLLM's `/pause?mode=keep`, what
+        TRL's async trainer asks for), and go on from where they were at `resume`."""
+        self._request("POST", "pause", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        """Schedule generation again after `pause` (vLLM's `/resume`)."""
+        self._request("POST", "resume")
+
     def weight_version(self, timeout: float | None = None) -> str:
         """The version of the weights the server holds (vLLM's `/weight_info`; `"default"` after start-up).
 
