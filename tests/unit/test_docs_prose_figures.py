@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.doc_blocks import BLOCKS as GENERATED
+from benchmarks.doc_blocks import shown
+
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,3 +216,12 @@ def test_a_figure_is_its_sources_number(block: Block) -> None:
             f"{where}: the section does not say when {source} was measured ({dates[:2] or 'the file says no date'})"
         )
         assert machine and machine in section, f"{where}: the section does not name {source}'s machine ({machine})"
+
+
+@pytest.mark.parametrize("name", sorted(GENERATED))
+def test_a_generated_block_is_its_rendering(name: str) -> None:
+    """The blocks `python -m benchmarks.doc_blocks` writes (tables derived from several results files)."""
+    page, render = GENERATED[name]
+    held = shown((ROOT / page).read_text(), name)
+    assert held is not None, f"{page} lacks the markers of the {name} block"
+    assert held == render(), f"{page}'s {name} block is stale: run `python -m benchmarks.doc_blocks`"
