@@ -6,7 +6,7 @@
 Builds the model the way a trainer would (FSDP2 and plain on the meta device, so no weight is read; FSDP1 needs real
 storage, so its parameters are allocated uninitialised on the CPU), wraps it on a single-process gloo group, and runs
 the same planning and manifest check as a sync, without an engine. Exits 1 if the engine would reject anything, 2 for
-a plain mistake in the input (one line on stderr, no traceback).
+a plain mistake in the input or any input it cannot read (one line on stderr, no traceback).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ EPILOG = """\
 exit codes:
   0  the engine would accept the sync
   1  the engine would reject it (the offending names are printed)
-  2  a mistake in the arguments or the model directory, or a missing optional dependency (one line on stderr)"""
+  2  a mistake in the arguments, any input it cannot read or use (the model directory, its config.json or
+     weights, the accelerate config), or a missing optional dependency (one line on stderr)"""
 
 
 def _model_dir(path_or_id: str) -> Path:
