@@ -39,8 +39,10 @@ def rounds_cost() -> str:
         "| run | model | backend | ours-flat (rounds) ms | ours-flat-norounds ms | cost | medians of |",
         "|---|---|---|---:|---:|---:|---:|",
     ]
+    ranges = []
     for kind in ("cpu", "gpu"):
         data = json.loads((RESULTS / f"{kind}.json").read_text())
+        costs = []
         by_key = {(s["model"], s["backend"], s["method"]): s for s in summarize(data["rows"])}
         run = f"`{kind}.md`, {_machine(data['machine'])}, {_when(data['measured'])}"
         for (model, backend, method), rounds in sorted(by_key.items()):
@@ -48,11 +50,15 @@ def rounds_cost() -> str:
             if method != "ours-flat" or bare is None:
                 continue
             cost = rounds["seconds"] / bare["seconds"] - 1
+            costs.append(cost)
             lines.append(
                 f"| {run} | {model} | {backend} | {rounds['seconds'] * 1e3:.1f} | {bare['seconds'] * 1e3:.1f} | "
                 f"{cost:+.0%} | {rounds['reps']} |"
             )
-    return "\n".join(lines)
+        if costs:
+            ranges.append(f"{_machine(data['machine'])} ({kind}.md): {min(costs):+.0%} to {max(costs):+.0%}")
+    # NOTE: a cost below zero is the run's noise (the rounds add work, never remove it).
+    return "\n".join(lines) + "\n\nThe cost, per run: " + "; ".join(ranges) + "."
 
 
 # Block name -> (page, renderer).
