@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     record: dict[str, Any] = {
-        "rank": rank, "world_size": world, "syncs": [], "checks": [], "errors": [], "pauses": [],
+        "rank": rank, "world_size": world, "syncs": [], "checks": [], "errors": [], "pauses": [], "sync_seconds": [],
     }  # fmt: skip
     checks: list[dict[str, Any]] = record["checks"]
     sync_index = {"n": 0}
@@ -132,6 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if args.fault_at != sync_index["n"]:
                     raise
                 super()._sync_weight()  # the retry: must be complete and exact
+            record["sync_seconds"].append(time.perf_counter() - started)
             writer = getattr(self._fvs_sync, "writer", None)
             record["pauses"].append(getattr(writer, "last_pause", None))
             checker_step()
@@ -139,7 +141,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     class StockTrainer(AsyncGRPOTrainer):
         def _sync_weight(self) -> None:
             sync_index["n"] += 1
+            started = time.perf_counter()
             super()._sync_weight()
+            record["sync_seconds"].append(time.perf_counter() - started)
             checker_step()
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
@@ -222,7 +226,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     record["syncs"] = [r.__dict__ for r in getattr(trainer, "sync_reports", [])]
     record["rollout_versions"] = versions.seen if versions is not None else []
     if stand_in is not None:
-        record["pauses"] = stand_in.pauses
+        record["pauses"] = [(paused, None) for paused in stand_in.pauses]
+        record["stock_bytes"] = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in stand_in.manifest)
     return record
 
 

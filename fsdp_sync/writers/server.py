@@ -182,8 +182,11 @@ def check_server(address: ServerAddress, *, timeout_s: float) -> ServerInfo:
     client = ServerClient(address.base_url, timeout=timeout_s)
     client.wait_until_up(address.startup_timeout_s)
     info = client.server_info()
-    transport_for(info)
-    return info
+    transport = transport_for(info)
+    if transport.patches_loaders:
+        return info
+    # NOTE: read on every rank, so that every rank's manifest refuses (or not) the same tensors.
+    return dataclasses.replace(info, engine_fixes=client.engine_fixes())
 
 
 class _UpstreamError(Exception):
@@ -321,6 +324,9 @@ class ServerWriter:
         config = Path(self.checkpoint_dir) / "config.json"
         architectures = (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
         gaps = unfixed_reload_gaps(architectures, manifest.tensors)
+        if gaps and "load_gpt_oss_through_weight_loaders" in self.info.engine_fixes:
+            logger.info("weight sync: the server's weight-transfer engines load gpt-oss through weight loaders")
+            gaps = {}
         return dataclasses.replace(manifest, refused=gaps) if gaps else manifest
 
     def prepare(self, planned: Sequence[PlannedTensor]) -> None:

@@ -140,7 +140,7 @@ def test_stock_async_grpo_fsdp2_is_exact_but_unversioned(
     assert all(c["direct_problems"] == [] for c in main["checks"]), main["checks"]
     assert [c["model_version"] for c in main["checks"]] == [1, 2]
     assert not any(c["server_weight_version"].endswith(f":v{c['model_version']}") for c in main["checks"])
-    assert len(main["pauses"]) == 2
+    assert len(main["pauses"]) == 2 and all(paused > 0 for paused, _ in main["pauses"])
 
 
 def test_async_grpo_server_that_does_not_answer(checkpoints, tmp_path: Path) -> None:
@@ -158,3 +158,12 @@ def test_async_grpo_server_that_does_not_answer(checkpoints, tmp_path: Path) -> 
                              report_to=[])  # fmt: skip
     with pytest.raises(ServerUnavailableError, match="not up after 3 s"):
         Trainer(model=str(checkpoints("qwen2")), args=config)
+
+
+def test_a_server_with_this_package_fixes_every_weight_transfer_engine(server: VLLMServerProcess) -> None:
+    """The plugin runs in the real server's workers: each says its weight-transfer engines apply the reload fixes
+    (what a trainer pushing over vLLM's NCCL backend asks before refusing gpt-oss)."""
+    from fsdp_sync.compat.vllm_patches import ENGINE_FIXES
+    from fsdp_sync.server_client import ServerClient
+
+    assert ServerClient(server.base_url, timeout=60).engine_fixes() == frozenset(ENGINE_FIXES)

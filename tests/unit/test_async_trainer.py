@@ -365,3 +365,59 @@ def test_a_staged_round_the_trainer_aborts_writes_nothing() -> None:
 def test_an_unknown_stage_is_refused() -> None:
     with pytest.raises(ValueError, match=r"stage='later'; valid: None, 'receive', 'apply'"):
         gloo.GlooUpdateInfo(names=[], dtype_names=[], shapes=[], stage="later")
+
+
+# --- the reload fixes in every weight-transfer engine of a server with this package --------------------------------
+
+
+def test_every_engine_the_factory_makes_applies_the_reload_fixes_before_its_update(monkeypatch) -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from fsdp_sync.compat import vllm_patches
+
+    calls: list[str] = []
+
+    class Engine:
+        def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+            self.model = model
+
+        def start_weight_update(self) -> None:
+            calls.append("vllm's start")
+
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(vllm_patches, "keep_moe_experts_processed_on_reload", lambda m: calls.append("moe") or [])
+    monkeypatch.setattr(vllm_patches, "load_gpt_oss_through_weight_loaders", lambda m: calls.append("gpt-oss") or ["m"])
+    monkeypatch.setitem(WeightTransferEngineFactory._registry, "fvs-test", lambda: Engine)
+    assert vllm_patches.fix_every_weight_transfer_engine() and vllm_patches.fix_every_weight_transfer_engine()
+    engine = WeightTransferEngineFactory.create_engine(SimpleNamespace(backend="fvs-test"), None, "cpu", model)
+    engine.start_weight_update()
+    assert calls == ["moe", "gpt-oss", "vllm's start"]
+    assert getattr(WorkerBase, vllm_patches.ENGINE_FIXES_METHOD)(None) == list(vllm_patches.ENGINE_FIXES)
+
+
+def _gpt_oss_checkpoint(tmp_path: Path) -> str:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"]}))
+    save_file(
+        {"model.layers.0.self_attn.sinks": torch.zeros(2), "model.norm.weight": torch.zeros(4)},
+        str(tmp_path / "model.safetensors"),
+    )
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_gpt_oss_over_nccl_is_refused_only_where_the_server_lacks_the_fix(monkeypatch, tmp_path: Path, fixed) -> None:
+    monkeypatch.setattr(server_writer.torch.cuda, "is_available", lambda: True)
+    fixes = frozenset({"load_gpt_oss_through_weight_loaders"}) if fixed else frozenset()
+    info = ServerInfo(model="/srv/m", dtype=torch.bfloat16, weight_transfer_backend="nccl", served_name="m",
+                      engine_fixes=fixes)  # fmt: skip
+    writer = ServerWriter(None, info, group_port=1, checkpoint_dir=_gpt_oss_checkpoint(tmp_path), buffer_bytes=1,
+                          timeout_s=1)  # fmt: skip
+    refused = writer.manifest().refused
+    if fixed:
+        assert not refused
+    else:
+        assert set(refused) == {"model.layers.0.self_attn.sinks"}
+        assert "install fsdp-vllm-sync in the server's environment" in refused["model.layers.0.self_attn.sinks"]
