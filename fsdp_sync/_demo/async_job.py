@@ -42,6 +42,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--verify", action="store_true", help="SyncConfig(verify=True)")
     p.add_argument("--check", action="store_true", help="bit-exact server check after every sync")
     p.add_argument("--stock", action="store_true", help="TRL's own sync (no mixin), with a gloo stand-in for NCCL")
+    p.add_argument("--peft", action="store_true", help="train a LoRA adapter (r=4 on q_proj and v_proj)")
     p.add_argument("--sync-timeout-s", type=float, default=120.0)
     p.add_argument(
         "--fault-at",
@@ -168,6 +169,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=0,
     )
     tokenizer = _tokenizer(args.model_dir)
+    peft_config = None
+    if args.peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     stand_in = None
     if args.stock:
         from fsdp_sync._demo.stock_async import GlooStandIn
@@ -175,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stand_in = GlooStandIn(args.server_url, args.group_port) if rank == 0 else None
         trainer = StockTrainer(
             model=args.model_dir, reward_funcs=_reward, args=config, train_dataset=dataset, processing_class=tokenizer,
-            weight_transfer=stand_in,
+            weight_transfer=stand_in, peft_config=peft_config,
         )  # fmt: skip
         if stand_in is not None:
             stand_in.describe(trainer.model)
@@ -190,15 +196,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         trainer = Trainer(
             model=args.model_dir, reward_funcs=_reward, args=config, train_dataset=dataset, processing_class=tokenizer,
-            sync_config=sync_config,
+            sync_config=sync_config, peft_config=peft_config,
         )  # fmt: skip
     restore_fsdp_distributed_type(trainer)
     torch.manual_seed(1234)
     with torch.no_grad():
-        for p in trainer.model.parameters():
-            p.add_(torch.randn_like(p) * args.perturb)
+        for name, p in trainer.model.named_parameters():
+            if "lora_" not in name:  # the base moves away from the server's checkpoint; adapters train from PEFT's init
+                p.add_(torch.randn_like(p) * args.perturb)
     versions = _RolloutVersions(trainer) if trainer.accelerator.is_main_process else None
-    checker = ServerChecker(trainer, None, args.server_url) if args.check else None
+    checker = ServerChecker(trainer, peft_config, args.server_url) if args.check else None
 
     def checker_step() -> None:
         if checker is None:

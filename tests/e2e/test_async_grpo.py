@@ -106,9 +106,13 @@ def test_async_grpo_fsdp1_flat_parameters(server: VLLMServerProcess, checkpoints
     _assert_exact_every_sync(result, "fsdp1", syncs=4)
 
 
-def test_async_grpo_single_process(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
-    result = _run(checkpoints("qwen2"), tmp_path, server, "single", "--steps", "2", "--check")
-    _assert_exact_every_sync(result, "single", syncs=3)
+def test_async_grpo_single_process_with_lora(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
+    """One plain process, a LoRA adapter on q_proj and v_proj: merged for the push (TRL's adapter-files path is not
+    used under the mixin); the server holds the merged weights bit for bit once the adapter has moved them."""
+    result = _run(checkpoints("qwen2"), tmp_path, server, "single", "--steps", "2", "--check", "--peft")
+    [rank] = _assert_exact_every_sync(result, "single", syncs=3)
+    assert rank["checks"][0]["lora_delta"] == 0.0  # PEFT starts lora_B at zero
+    assert all(check["lora_delta"] > 0 for check in rank["checks"][1:]), [c["lora_delta"] for c in rank["checks"]]
 
 
 def test_stock_async_grpo_fsdp1_sends_shards_and_leaves_the_server_paused(
