@@ -41,6 +41,8 @@ def _wrapper_ok(wrapper: dict, backend: str) -> bool:
             return wrapper["is_fsdp1"]
         case "fsdp2":
             return wrapper["is_fsdp2"]
+        case "ddp":
+            return wrapper["is_ddp"]
         case "single":
             return not (wrapper["is_fsdp1"] or wrapper["is_fsdp2"] or wrapper["is_ddp"])
     raise ValueError(backend)
@@ -104,6 +106,11 @@ def test_async_grpo_fsdp1_flat_parameters(server: VLLMServerProcess, checkpoints
     """FSDP1 with flat parameters (`use_orig_params=False`), 2 ranks: what TRL's own async sync cannot do."""
     result = _run(checkpoints("qwen2"), tmp_path, server, "fsdp1", "--steps", "3", "--check", use_orig_params=False)
     _assert_exact_every_sync(result, "fsdp1", syncs=4)
+
+
+def test_async_grpo_ddp(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
+    result = _run(checkpoints("qwen2"), tmp_path, server, "ddp", "--steps", "1", "--check")
+    _assert_exact_every_sync(result, "ddp", syncs=2)
 
 
 def test_async_grpo_single_process_with_lora(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
