@@ -108,9 +108,13 @@ def test_async_grpo_fsdp1_flat_parameters(server: VLLMServerProcess, checkpoints
     _assert_exact_every_sync(result, "fsdp1", syncs=4)
 
 
-def test_async_grpo_ddp(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
-    result = _run(checkpoints("qwen2"), tmp_path, server, "ddp", "--steps", "1", "--check")
-    _assert_exact_every_sync(result, "ddp", syncs=2)
+def test_async_grpo_ddp_sparse(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
+    """DDP, 2 ranks, sparse syncs at a small learning rate: after the first (complete, dense) sync only the changed
+    bf16 elements travel, staged on the server and written as patches under the pause."""
+    result = _run(checkpoints("qwen2"), tmp_path, server, "ddp", "--steps", "2", "--check", "--sparse", "--lr", "3e-6")
+    ranks = _assert_exact_every_sync(result, "ddp", syncs=3)
+    later = ranks[0]["syncs"][1:]
+    assert all(s["sparse"] and s["patched_tensors"] > 0 and s["patch_bytes"] > 0 for s in later), later
 
 
 def test_async_grpo_single_process_with_lora(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
