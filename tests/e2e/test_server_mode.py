@@ -121,12 +121,28 @@ def test_server_unreachable_fails_every_rank_in_bounded_time(checkpoints, tmp_pa
 def test_server_without_weight_transfer_backend_fails_every_rank(checkpoints, tmp_path: Path) -> None:
     with VLLMServerProcess(checkpoints("qwen2"), tmp_path / "server.log", weight_transfer_backend=None) as bare:
         result = run_grpo(checkpoints("qwen2"), tmp_path, "fsdp2", *_server_args(bare.base_url))
+        _async_trainer_is_refused(bare.base_url, checkpoints("qwen2"), tmp_path / "async")
     for e in _failures(result):
         assert e["type"] == "ServerConfigError", e
         assert e["stage"] == "construct"
         assert "without a weight-transfer backend" in e["message"] and '"gloo"' in e["message"]
         print(f"no backend: failed after {e['seconds']:.2f} s")
         assert e["seconds"] < 30
+
+
+def _async_trainer_is_refused(url: str, model_dir: Path, out: Path) -> None:
+    """TRL's async trainer with the mixin, against the same server: refused before it is built, with what to do."""
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from fsdp_sync import FSDPVLLMSyncMixin
+    from fsdp_sync.server_client import ServerConfigError
+
+    class Trainer(FSDPVLLMSyncMixin, AsyncGRPOTrainer):
+        pass
+
+    config = AsyncGRPOConfig(output_dir=str(out), vllm_server_base_url=url, use_cpu=True, report_to=[])
+    with pytest.raises(ServerConfigError, match='without a weight-transfer backend.*"gloo"'):
+        Trainer(model=str(model_dir), args=config)
 
 
 def test_server_killed_mid_sync_fails_every_rank(checkpoints, tmp_path: Path) -> None:
