@@ -19,7 +19,7 @@ Protocol (both sides compute the same chunking from the metadata, so nothing but
   either its previous or its new value, none undefined.
 - a sparse update (`counts` given, `SyncConfig(sparse=True)`): each announced tensor travels as three segments,
   its changes per block of 2^16 elements (int32), the low 16 bits of each changed index (int16) and the new values
-  (`fsdp_sync.sync.patches.encode_patch`, the codec of the trainer's own patch collectives), chunked and broadcast the
+  (`fsdp_sync.patch_codec.encode_patch`, the codec of the trainer's own patch collectives), chunked and broadcast the
   same way; the workers decode them (`decode_patch`) and write them in
   place through vLLM's `load_checkpoint_weight_patches` (`fsdp_sync.compat.patch_api`), outside the layer-wise reload,
   which a sparse update never starts. On vLLM-CPU the linear weights must have been kept unpacked from the start:
@@ -224,7 +224,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
     def segment_sizes(self) -> list[int]:
         """A sparse update's segments in wire order, in bytes: per tensor its blocks, indices and values."""
-        from fsdp_sync.sync.patches import index_blocks
+        from fsdp_sync.patch_codec import index_blocks
 
         assert self.counts is not None
         sizes: list[int] = []
@@ -336,7 +336,7 @@ class _PatchRound:
 
     def receive(self, info: GlooUpdateInfo) -> None:
         from fsdp_sync.compat.patch_write import EnginePatcher
-        from fsdp_sync.sync.patches import decode_patch
+        from fsdp_sync.patch_codec import decode_patch
 
         group, model = self.engine.joined(), self.engine.model
         started = time.perf_counter()
@@ -637,7 +637,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def send_patches(self, patches: Sequence[EnginePatch]) -> int:
         """One sparse update: announce the patched tensors and their counts, broadcast the encoded patches (the
         chunks of `plan_chunks` over each tensor's three segments). Returns the bytes broadcast."""
-        from fsdp_sync.sync.patches import encode_patch
+        from fsdp_sync.patch_codec import encode_patch
 
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized (trainer_init failed or was not called).")

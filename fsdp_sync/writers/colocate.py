@@ -36,7 +36,7 @@ from fsdp_sync.compat.reload_api import eager_reload_tensors, finalize_failed_re
 from fsdp_sync.compat.vllm_patches import quiet_partial_reload, refresh_tied_cpu_gemms
 
 from ..errors import EngineState, StreamInterrupted, SyncError
-from ..sync.verify import tensor_bytes
+from ..digest import tensor_bytes
 from ..versions import ColocateVersions
 
 __all__ = ["ColocateWriter", "EnginePushError"]

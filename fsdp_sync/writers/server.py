@@ -521,7 +521,7 @@ class ServerWriter:
     def patch_refusals(self) -> dict[str, str]:
         from fsdp_sync.transfer.plugin import SPARSE_ENV
 
-        from ..sync.verify import EMPTY_DIGEST
+        from ..digest import EMPTY_DIGEST
 
         refused: dict[str, str] = {}
         for key, digest in self._checksums().items():
