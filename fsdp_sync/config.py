@@ -62,6 +62,14 @@ class SyncConfig:
             reload processes as one) above which it is sent whole. The default lies between the densities measured
             where patches won (about 2% changed: 1.5-2x faster syncs) and where they lost (13-25%); not swept finer
             (docs/sparse.md).
+        adapter: for a PEFT LoRA model, push only the adapter (`lora_A`, `lora_B`) into the engine's LoRA manager, in
+            memory, instead of merging it into the base and pushing merged weights (docs/adapters.md). None (the
+            default): on where the engine was started with LoRA enabled and can serve the adapter, else merged syncs
+            with the reason logged. True: required; what the engine cannot serve (DoRA, `modules_to_save`, a rank
+            above its `max_lora_rank`, target modules vLLM does not support for the architecture, a base that
+            differs from the engine's checkpoint) is an error before anything is written; a colocated engine that
+            TRL builds is started with LoRA enabled for it. False: merged syncs. Delta and sparse options do not
+            apply to adapter syncs (the whole adapter goes every time: it is small).
     """
 
     fsdp1_strategy: str = "flat"
@@ -79,6 +87,7 @@ class SyncConfig:
     delta_check: bool = True
     sparse: bool = False
     sparse_max_density: float = 0.1
+    adapter: bool | None = None
 
     def __post_init__(self) -> None:
         if self.fsdp1_strategy not in _FSDP1:
@@ -95,5 +104,7 @@ class SyncConfig:
             raise ValueError(f"sparse_max_density={self.sparse_max_density}; must be within [0, 1]")
         if self.sparse and not self.delta:
             raise ValueError("sparse=True builds on delta syncs; set delta=True (the default) or sparse=False")
+        if self.adapter and self.sparse:
+            raise ValueError("adapter=True pushes the whole adapter each sync; sparse=True applies to merged syncs only")
         if self.fsdp2_strategy not in _FSDP2:
             raise ValueError(f"fsdp2_strategy={self.fsdp2_strategy!r}; valid: {list(_FSDP2)}")

@@ -1,0 +1,100 @@
+"""Adapter syncs, pure parts: PEFT names to the names vLLM parses, what vLLM cannot serve (refused with the reason),
+the rank the engine is started with, and TRL's generate calls made to ask for the adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_sync.compat.lora_api import LoRALimits, adapter_refusals, adapter_tensor_name, peft_adapter_config
+from fsdp_sync.compat.trl_adapter import ask_for_adapter, lora_rank_for_engine, peft_rank
+from fsdp_sync.config import SyncConfig
+
+LIMITS = LoRALimits(8, frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}), torch.float32)
+
+
+def test_adapter_tensor_names_drop_the_adapter_name_and_keep_the_peft_root() -> None:
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert adapter_tensor_name(name, "default") == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert adapter_tensor_name(name, "other") is None
+    assert adapter_tensor_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", "default") is None
+    assert adapter_tensor_name("base_model.model.lm_head.lora_magnitude_vector.default.weight", "default") is None
+
+
+def _config(**changes: object) -> dict:
+    from peft import LoraConfig
+
+    return {**LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]).to_dict(), **changes}
+
+
+def test_a_plain_lora_adapter_is_servable() -> None:
+    assert adapter_refusals(_config(), LIMITS, {"q_proj", "v_proj"}) == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "targeted", "says"),
+    [
+        ({"use_dora": True}, {"q_proj"}, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, {"q_proj"}, "modules_to_save"),
+        ({"r": 16}, {"q_proj"}, "max_lora_rank 8"),
+        ({"rank_pattern": {"q_proj": 32}}, {"q_proj"}, "rank 32"),
+        ({}, {"q_proj", "conv1d"}, "target modules ['conv1d']"),
+        ({"bias": "all"}, {"q_proj"}, "bias"),
+    ],
+)
+def test_what_vllm_cannot_serve_is_refused_with_the_reason(changes: dict, targeted: set, says: str) -> None:
+    reasons = adapter_refusals(_config(**changes), LIMITS, targeted)
+    assert any(says in r for r in reasons), reasons
+
+
+def test_the_peft_config_of_a_model_as_a_plain_dict() -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj"]))
+    name, plain = peft_adapter_config(model)
+    assert name == "default" and plain["r"] == 4 and plain["target_modules"] == ["q_proj"]
+    assert plain["peft_type"] == "LORA"
+    with pytest.raises(ValueError, match="not a PEFT model"):
+        peft_adapter_config(AutoModelForCausalLM.from_config(config))
+
+
+def test_the_engine_rank_is_the_smallest_vllm_accepts() -> None:
+    from peft import LoraConfig
+
+    assert lora_rank_for_engine(4) == 8 and lora_rank_for_engine(8) == 8 and lora_rank_for_engine(9) == 16
+    assert peft_rank(LoraConfig(r=4, rank_pattern={"v_proj": 12})) == 12
+    assert peft_rank(None) is None
+    with pytest.raises(ValueError, match="above every max_lora_rank"):
+        lora_rank_for_engine(4096)
+
+
+def test_generation_asks_for_the_current_adapter_where_the_caller_names_none() -> None:
+    """What TRL's `VLLMGeneration.generate` calls (`llm.generate(prompts, sampling_params=..., use_tqdm=False)`)
+    gets the adapter; a caller's own request is kept; wrapping twice wraps once."""
+
+    class Engine:
+        def __init__(self) -> None:
+            self.calls: list[object] = []
+
+        def generate(self, prompts: object, sampling_params: object = None, **kwargs: object) -> object:
+            self.calls.append(kwargs.get("lora_request"))
+            return prompts
+
+    engine = Engine()
+    current = ["v1"]
+    ask_for_adapter(engine, lambda: current[0])
+    ask_for_adapter(engine, lambda: "twice")
+    engine.generate(["p"], sampling_params=None, use_tqdm=False)
+    current[0] = "v2"
+    engine.generate(["p"])
+    engine.generate(["p"], lora_request="mine")
+    assert engine.calls == ["v1", "v2", "mine"]
+
+
+def test_adapter_and_sparse_options_exclude_each_other() -> None:
+    with pytest.raises(ValueError, match="adapter=True"):
+        SyncConfig(adapter=True, sparse=True)
+    assert SyncConfig().adapter is None
