@@ -28,6 +28,7 @@ __all__ = [
     "adapter_refusals",
     "adapter_request",
     "adapter_tensor_name",
+    "build_lora_model",
     "engine_adapter",
     "engine_lora_limits",
     "load_adapter",
@@ -67,13 +68,14 @@ class LoRALimits:
     Attributes:
         max_lora_rank: the engine's `max_lora_rank`.
         target_modules: the module names an adapter may target (vLLM's supported modules, packed ones unfolded:
-            `qkv_proj` -> `q_proj`, `k_proj`, `v_proj`).
+            `qkv_proj` -> `q_proj`, `k_proj`, `v_proj`); None where only the engine knows them (a server: it checks
+            them itself before it registers anything, `build_lora_model`).
         dtype: the dtype the engine holds adapter weights in (`lora_dtype`).
     """
 
     max_lora_rank: int
-    target_modules: frozenset[str]
-    dtype: torch.dtype
+    target_modules: frozenset[str] | None
+    dtype: torch.dtype | None
 
 
 def adapter_tensor_name(unwrapped: str, adapter_name: str) -> str | None:
@@ -130,7 +132,7 @@ def adapter_refusals(config: Mapping[str, Any], limits: LoRALimits, targeted: It
     reasons = _vllm_refusals(config, limits)
     if config.get("modules_to_save"):
         reasons.append(f"modules_to_save {sorted(config['modules_to_save'])} (full trained copies, not an adapter)")
-    unsupported = sorted(set(targeted) - limits.target_modules)
+    unsupported = sorted(set(targeted) - limits.target_modules) if limits.target_modules is not None else []
     if unsupported:
         reasons.append(
             f"target modules {unsupported} are not LoRA modules of this architecture in vLLM "
@@ -167,30 +169,41 @@ def engine_lora_limits(worker: Any, vllm_config: Any) -> LoRALimits | None:
     runner = getattr(worker, "model_runner", None)
     if lora_config is None or getattr(runner, "lora_manager", None) is None:
         return None
-    manager = runner.lora_manager._adapter_manager
+    dtype = lora_config.lora_dtype
+    return LoRALimits(
+        lora_config.max_lora_rank,
+        _expected_modules(runner.lora_manager._adapter_manager),
+        dtype if isinstance(dtype, torch.dtype) else vllm_config.model_config.dtype,
+    )
+
+
+def _expected_modules(manager: Any) -> frozenset[str]:
+    """The module names an adapter may target in the engine of a `LoRAModelManager` (packed ones unfolded)."""
     packed = manager.packed_modules_mapping
     targets: set[str] = set()
     for module in manager.supported_lora_modules:
         targets.update(packed.get(module, [module]))
-    dtype = lora_config.lora_dtype
-    return LoRALimits(lora_config.max_lora_rank, frozenset(targets), dtype if isinstance(dtype, torch.dtype) else vllm_config.model_config.dtype)
+    return frozenset(targets)
 
 
-def load_adapter(worker: Any, adapter: Adapter, *, replace: int | None) -> None:
-    """Build `adapter` from its tensors and register it with the worker's LoRA manager under its id, then remove
-    the adapter `replace` (the previous version), so that the next request for the new id is served from memory.
+def build_lora_model(manager: Any, adapter: Adapter, *, lora_config: Any, vocab_size: int, max_positions: int | None) -> Any:
+    """A vLLM `LoRAModel` of `adapter` for the engine of `manager` (a `LoRAModelManager`), checked as vLLM's own
+    path loader checks an adapter (its config, its target modules, `modules_to_save`); nothing is registered.
 
     Raises:
-        ValueError: vLLM refuses the adapter (its own checks; nothing was registered).
+        ValueError: the engine cannot serve the adapter (the reasons named).
     """
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import parse_fine_tuned_lora_name
 
-    worker_manager = _worker_lora_manager(worker)
-    manager = worker_manager._adapter_manager
-    config = {**adapter.config, "vllm_max_position_embeddings": worker_manager.max_position_embeddings}
-    helper = PEFTHelper.from_dict(config)
-    helper.validate_legal(worker_manager.lora_config)
+    helper = PEFTHelper.from_dict({**adapter.config, "vllm_max_position_embeddings": max_positions})
+    helper.validate_legal(lora_config)
+    expected = _expected_modules(manager)
+    modules = sorted({parse_fine_tuned_lora_name(n)[0] for n in adapter.tensors})
+    unexpected = [m for m in modules if m.rsplit(".", 1)[-1] not in expected]
+    if unexpected:
+        raise ValueError(f"target modules {unexpected} are not LoRA modules of this engine (supported: {sorted(expected)})")
     model = manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     # NOTE: copies: vLLM folds the scaling into `lora_b` in place (`LoRALayerWeights.optimize`), and a tensor already
@@ -201,12 +214,31 @@ def load_adapter(worker: Any, adapter: Adapter, *, replace: int | None) -> None:
         tensors={name: t.detach().clone() for name, t in adapter.tensors.items()},
         peft_helper=helper,
         device="cpu",
-        dtype=worker_manager.lora_config.lora_dtype,
-        model_vocab_size=worker_manager.vocab_size,
+        dtype=lora_config.lora_dtype,
+        model_vocab_size=vocab_size,
         weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
     manager._validate_modules_to_save(lora)
+    return lora
+
+
+def load_adapter(worker: Any, adapter: Adapter, *, replace: int | None) -> None:
+    """Build `adapter` from its tensors and register it with the worker's LoRA manager under its id, then remove
+    the adapter `replace` (the previous version), so that the next request for the new id is served from memory.
+
+    Raises:
+        ValueError: vLLM refuses the adapter (its own checks; nothing was registered).
+    """
+    worker_manager = _worker_lora_manager(worker)
+    manager = worker_manager._adapter_manager
+    lora = build_lora_model(
+        manager,
+        adapter,
+        lora_config=worker_manager.lora_config,
+        vocab_size=worker_manager.vocab_size,
+        max_positions=worker_manager.max_position_embeddings,
+    )
     if replace is not None:
         manager.remove_adapter(replace)
     manager.remove_adapter(adapter.adapter_id)  # an id loaded before (a retried version) is replaced whole

@@ -29,12 +29,14 @@ class ServerInfo:
         weight_transfer_backend: the configured weight-transfer backend (`"nccl"`, `"gloo"`, ...), or None when the
             server was started without `--weight-transfer-config`.
         served_name: the model name the server answers to in requests.
+        max_lora_rank: the server's `max_lora_rank`; None where it was started without LoRA (`--enable-lora`).
     """
 
     model: str
     dtype: torch.dtype
     weight_transfer_backend: str | None
     served_name: str
+    max_lora_rank: int | None = None
 
 
 def _dtype(value: Any) -> torch.dtype:
@@ -63,9 +65,11 @@ def parse_server_info(answer: dict[str, Any]) -> ServerInfo:
     served = model_config.get("served_model_name") or model_config["model"]
     if isinstance(served, list):
         served = served[0]
+    lora = config.get("lora_config")
     return ServerInfo(
         model=str(model_config["model"]),
         dtype=_dtype(model_config["dtype"]),
         weight_transfer_backend=str(backend) if backend else None,
         served_name=str(served),
+        max_lora_rank=int(lora["max_lora_rank"]) if isinstance(lora, dict) and "max_lora_rank" in lora else None,
     )

@@ -5,7 +5,9 @@ Why: TRL builds its colocated `vllm.LLM` itself (`VLLMGeneration.__init__`, with
 `llm.generate(prompts, sampling_params=..., use_tqdm=False)` with no `lora_request` (GRPOTrainer and RLOOTrainer
 both generate through `VLLMGeneration.generate`). An adapter pushed into the engine serves only requests that name
 it, so the mixin starts the engine with LoRA (`engine_with_lora`) and wraps the engine's `generate` and `chat` so
-that a call without a `lora_request` asks for the current adapter (`ask_for_adapter`).
+that a call without a `lora_request` asks for the current adapter (`ask_for_adapter`). In server mode TRL's
+`VLLMClient.generate` names the model it asks for (`client.model`, the server's first model at start): it asks for
+the current adapter's name instead (`ask_server_for_adapter`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ask_for_adapter", "engine_with_lora", "lora_rank_for_engine", "peft_rank"]
+__all__ = ["ask_for_adapter", "ask_server_for_adapter", "engine_with_lora", "lora_rank_for_engine", "peft_rank"]
 
 _ASKING = "_fvs_asks_for_adapter"
 
@@ -79,3 +81,19 @@ def ask_for_adapter(llm: Any, request: Callable[[], Any | None]) -> None:
 
         setattr(llm, method, asking)
     setattr(llm, _ASKING, True)
+
+
+def ask_server_for_adapter(client: Any, name: Callable[[], Any | None]) -> None:
+    """Make TRL's `VLLMClient.generate` (this client only) ask the server for the adapter `name()` (the model it
+    names in each request); the base model's name while there is none yet; once per client."""
+    if getattr(client, _ASKING, False):
+        return
+    base = client.model
+    original = client.generate
+
+    def asking(*args: Any, **kwargs: Any) -> Any:
+        client.model = name() or base
+        return original(*args, **kwargs)
+
+    client.generate = asking
+    setattr(client, _ASKING, True)

@@ -27,7 +27,7 @@ from fsdp_sync.compat.trl_api import (
     server_mode_problem,
 )
 from fsdp_sync.compat.engine_api import engine_handle, transformers_backend
-from fsdp_sync.compat.trl_adapter import ask_for_adapter, engine_with_lora, peft_rank
+from fsdp_sync.compat.trl_adapter import ask_for_adapter, ask_server_for_adapter, engine_with_lora, peft_rank
 from fsdp_sync.compat.vllm_patches import keep_cpu_linear_weights, keep_mla_kv_b_proj_weights
 from fsdp_sync.compat.weight_transfer import missing_api
 
@@ -216,8 +216,12 @@ class FSDPVLLMSyncMixin:
         """Make the trainer's colocated generation pass the current adapter's `LoRARequest` (TRL's generate calls
         pass none; see compat.trl_adapter). Server mode asks by the adapter's name (the writer's)."""
         target = self._fvs_target
-        if target is not None and target.mode == "colocate" and target.llm is not None:
+        if target is None:
+            return
+        if target.mode == "colocate" and target.llm is not None:
             ask_for_adapter(target.llm, sync.adapter_request)
+        if target.mode == "server" and target.client is not None:
+            ask_server_for_adapter(target.client, sync.adapter_request)
 
     def resync(self) -> None:
         """Make the next weight sync send every weight whole (complete, and dense with `SyncConfig(sparse=True)`).

@@ -595,6 +595,82 @@ SOAK_POINTS = ("check", "gather.prepare", "gather.launch", "gather.unflatten", "
                "write.finish")  # fmt: skip
 
 
+class AdapterServerChecker(ServerChecker):
+    """The adapter check against a server (every rank): the server's LoRA manager holds exactly the trainer's
+    adapter (sha256 of each `lora_a`/`lora_b` as vLLM keeps it, read from the server's worker), only that version is
+    loaded, and the server's logprobs for the adapter's name equal those of the trainer's full model (PEFT's merge)."""
+
+    def __call__(self) -> None:
+        import dataclasses
+
+        import requests
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from fsdp_sync.backend import unwrap_outer
+        from fsdp_sync.compat.engine_api import packed_modules_for_architectures
+        from fsdp_sync.digest import tensor_digest
+        from fsdp_sync._demo.engine import LOGPROB_PROMPTS
+        from fsdp_sync._demo.vllm_server import server_adapter_digests
+
+        adapter_id = self.trainer.sync_reports[-1].adapter_id
+        name = f"fsdp-vllm-sync-v{adapter_id}"
+        info = self.info
+        self.info = dataclasses.replace(info, served_name=name)
+        try:
+            full, lora_delta = full_reference_model(self.trainer, self.peft_config)
+            logits_problems = self._logprobs_problems(full)  # the first request naming the adapter loads it
+            engine_logprobs = []
+            for prompt in LOGPROB_PROMPTS:
+                ids = self.trainer.processing_class(prompt)["input_ids"]
+                body = {"model": name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "logprobs": 5,
+                        "return_tokens_as_token_ids": True}  # fmt: skip
+                answer = requests.post(f"{self.client.base_url}/v1/completions", json=body, timeout=120).json()
+                top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+                engine_logprobs.append({int(t.split(":", 1)[1]): lp for t, lp in top.items()})
+        finally:
+            self.info = info
+        (worker,) = server_adapter_digests(self.client.base_url)
+        state = get_model_state_dict(
+            unwrap_outer(self.trainer.model_wrapped), options=StateDictOptions(full_state_dict=True)
+        )
+        scaling = self.peft_config.lora_alpha / self.peft_config.r
+        base_config = unwrap_outer(self.trainer.model_wrapped).get_base_model().config
+        packed = packed_modules_for_architectures(list(base_config.architectures or []))
+        problems: list[str] = []
+        compared = 0
+        for key, value in state.items():
+            parts = key.split(".")
+            kind = next((p for p in parts if p in ("lora_A", "lora_B")), None)
+            if kind is None:
+                continue
+            module = ".".join(parts[: parts.index(kind)]).removeprefix("base_model.model.")
+            parent, _, leaf = module.rpartition(".")
+            engine_module, slot = module, 0
+            for fused, members in packed.items():
+                if leaf in members:
+                    engine_module, slot = f"{parent}.{fused}", list(members).index(leaf)
+            held = worker["modules"].get(engine_module, {}).get("a" if kind == "lora_A" else "b", [])
+            expected = value.detach().cpu().to(info.dtype)
+            expected = expected if kind == "lora_A" else expected * scaling
+            compared += 1
+            if slot >= len(held) or held[slot] != tensor_digest(expected):
+                problems.append(f"{key}: the server's {engine_module}[{slot}] differs from the trainer's")
+        self.records.append(
+            {
+                "step": self.trainer.state.global_step,
+                "wrapper": _wrapper_info(self.trainer.model_wrapped),
+                "adapter_id": adapter_id,
+                "loaded": worker["ids"],
+                "compared": compared,
+                "adapter_problems": problems,
+                "logits_problems": logits_problems,
+                "engine_logprobs": engine_logprobs,
+                "lora_delta": lora_delta,
+            }
+        )
+
+
 class Injections:
     """This rank's faults and test-side actions, armed per sync, all through `fsdp_sync.faults` (the library's
     declared fault points; never its private names).
@@ -865,7 +941,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _route_load_weights_to_reload(trainer, result["pushed"])
     checker: Any = None
     if args.check and args.adapter:
-        checker = AdapterChecker(trainer, peft_config)
+        checker = (
+            AdapterServerChecker(trainer, peft_config, args.server_url) if server else AdapterChecker(trainer, peft_config)
+        )
     elif args.check:
         checker = ServerChecker(trainer, peft_config, args.server_url) if server else EngineChecker(trainer, peft_config)
     counter = UnshardCounter() if args.adapter else None

@@ -107,9 +107,10 @@ def adapter_refusal(
         return "the model has no PEFT adapter"
     if not isinstance(writer, AdapterWriter):
         return f"the {writer.kind} writer does not load adapters"
-    limits = writer.lora_limits() if writer.pushes else None
-    if writer.pushes and limits is None:
-        return "the vLLM engine was started without LoRA (enable_lora=True)"
+    # NOTE: on every rank (a server's configuration is known to all), so that every rank decides alike.
+    limits = writer.lora_limits()
+    if limits is None:
+        return "the vLLM engine was started without LoRA (enable_lora=True; a server: --enable-lora)"
     try:
         _, config = peft_adapter_config(model)
     except ValueError as e:
@@ -121,8 +122,7 @@ def adapter_refusal(
         targeted = {name.split(".")[-3] for name in plan.checkpoint.values()}
     except ValueError as e:
         reasons.append(str(e))
-    if limits is not None:  # else a rank that writes into no engine: the pushing rank decides for the engine
-        reasons = adapter_refusals(config, limits, targeted) + reasons
+    reasons = adapter_refusals(config, limits, targeted) + reasons
     return "; ".join(reasons) if reasons else None
 
 

@@ -206,12 +206,15 @@ class GlooWorkerInitInfo(WeightTransferInitInfo):
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
     """One update: the tensors in stream order (vLLM dtype names: `"bfloat16"`, not `"torch.bfloat16"`); with
-    `counts`, a sparse update: each tensor's number of changed elements, sent as patches."""
+    `counts`, a sparse update: each tensor's number of changed elements, sent as patches; with `adapter`, a LoRA
+    adapter (`{"id", "name", "config"}`: the tensors are its `lora_A`/`lora_B` in PEFT names), built in the worker's
+    LoRA manager instead of written into the model."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     counts: list[int] | None = None
+    adapter: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -367,6 +370,35 @@ class _PatchRound:
         )
 
 
+class _AdapterRound:
+    """An adapter update on the worker: received whole, then built into a LoRA adapter and kept by name for the next
+    request that asks for it (`compat.lora_patches`); the model's weights are never touched."""
+
+    def __init__(self, engine: GlooWeightTransferEngine) -> None:
+        self.engine = engine
+
+    def receive(self, info: GlooUpdateInfo) -> None:
+        from fsdp_sync.compat.lora_api import Adapter
+        from fsdp_sync.compat.lora_patches import serve_in_memory_adapters, stash_adapter
+
+        assert info.adapter is not None
+        group = self.engine.joined()
+        dtypes = info.dtypes()
+        sizes = [_nbytes(d, s) for d, s in zip(dtypes, info.shapes)]
+        tensors: dict[str, torch.Tensor] = {}
+        for chunk in plan_chunks(sizes, self.engine.buffer_bytes):
+            buffer = torch.empty(chunk.nbytes + _TRAILER, dtype=torch.uint8)
+            _broadcast(group, buffer).wait()
+            if int(buffer[chunk.nbytes]) != _DATA:
+                raise UpdateAborted("the trainer aborted the adapter update")
+            for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
+                tensors[info.names[i]] = buffer[offset : offset + sizes[i]].view(dtypes[i]).view(info.shapes[i])
+        serve_in_memory_adapters()
+        adapter = info.adapter
+        stash_adapter(self.engine.model, Adapter(int(adapter["id"]), str(adapter["name"]), tensors, adapter["config"]))
+        logger.info("gloo weight transfer: adapter %s (%d tensors) received", adapter["name"], len(tensors))
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpdateInfo]):
     """Worker side (inside the vLLM server): joins the trainer's group and receives each update in the round the
     update announces: dense (`_DenseRound`) or sparse (`_PatchRound`)."""
@@ -382,6 +414,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         self.buffer_bytes = DEFAULT_BUFFER_BYTES
         self._dense = _DenseRound(self)
         self._patches = _PatchRound(self)
+        self._adapter = _AdapterRound(self)
 
     def _worker_rank(self) -> int:
         # Unique across data-parallel replicas, as vLLM's NCCL backend numbers its workers.
@@ -417,7 +450,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         and the loads here are synchronous copies from host memory.
         """
         info = self.parse_update_info(update_info)
-        (self._patches if info.counts is not None else self._dense).receive(info)
+        if info.adapter is not None:
+            self._adapter.receive(info)
+        else:
+            (self._patches if info.counts is not None else self._dense).receive(info)
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         """vLLM's receiving step of a dense update (the chunks, into a reload `update_weights` began)."""
@@ -668,6 +704,30 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             pool.shutdown(wait=False)
         self.client.finish_weight_update()
         return sum(m.shape[0] for m in segments)
+
+    def send_adapter(self, tensors: Sequence[tuple[str, torch.Tensor]], adapter: dict[str, Any]) -> int:
+        """One adapter update: announce the adapter's tensors (PEFT names) and its id, name and config, broadcast the
+        tensors. Returns the bytes broadcast."""
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialized (trainer_init failed or was not called).")
+        meta = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+        update = GlooUpdateInfo(
+            names=[m.name for m in meta],
+            dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+            shapes=[list(m.shape) for m in meta],
+            adapter=adapter,
+        )
+        self.data_chunks = 0
+        self.client.start_weight_update()
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            answer = pool.submit(self.client.update_weights, asdict(update))
+            self._broadcast_stream(list(tensors), meta, answer)
+            _first_failure([answer], _left(self.timeout_s, self.deadline), "the server's answer to /update_weights")
+        finally:
+            pool.shutdown(wait=False)
+        self.client.finish_weight_update()
+        return sum(_nbytes(m.dtype, m.shape) for m in meta)
 
     def _abort(self, buffer: torch.Tensor, chunk: Chunk, in_flight: tuple[Any, torch.Tensor] | None) -> None:
         """Tell the workers this update ends here: the chunk they expect next, marked `_ABORT` (best effort: a

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import pytest
 
+from fsdp_sync.distributed import free_port
+from fsdp_sync._demo.vllm_server import VLLMServerProcess
+
 from .helpers import WRAPPER_FLAG, run_grpo
 
 pytestmark = pytest.mark.e2e
@@ -26,6 +29,37 @@ ADAPTER_NUMEL = 2 * (4 * 128 + 128 * 4 + 4 * 128 + 64 * 4)
 def _moved(before: list[dict], after: list[dict]) -> float:
     """The largest logprob change over the tokens both syncs' top-5 hold."""
     return max(abs(a[t] - b[t]) for a, b in zip(after, before, strict=True) for t in a if t in b)
+
+
+def _check(result, backend: str, *, colocated: bool) -> None:
+    assert result.returncode == 0, result.log[-6000:]
+    assert len(result.ranks) == 2
+    for r in result.ranks:
+        assert r["error"] is None, r["error"]
+        assert r["global_step"] == STEPS
+        assert r["wrapper"][WRAPPER_FLAG[backend]], r["wrapper"]
+        checks, reports = r["checks"], r["reports"]
+        assert len(checks) == len(reports) >= STEPS
+        for i, (check, report) in enumerate(zip(checks, reports, strict=True)):
+            assert check["wrapper"][WRAPPER_FLAG[backend]]
+            assert check["adapter_id"] == report["adapter_id"] == i + 1
+            assert len(check["loaded"]) == 1, "the previous adapter must be unloaded"
+            if colocated:
+                assert check["loaded"] == [i + 1]
+            assert check["compared"] == 8 and check["adapter_problems"] == [], check["adapter_problems"]
+            assert check["logits_problems"] == [], check["logits_problems"]
+            assert report["tensors"] == 8
+            # colocated: every rank loads the adapter; server mode: rank 0 sends it, rank 1 only gathers
+            assert report["bytes"] == (ADAPTER_NUMEL * 4 if colocated or r["rank"] == 0 else 0)
+            assert r["in_sync"][i]["unshards"] == 0, "FSDP unsharded a unit during an adapter sync"
+            # every rank's share padded to the longest (at most the adapter per rank), and a few sizes and places
+            assert 0 < r["in_sync"][i]["gathered_elements"] <= 2 * (ADAPTER_NUMEL + 3 * 8 + 2)
+        # lora_B starts at zero: the first adapter serves the base; training moves it, and the engine with it.
+        assert checks[0]["lora_delta"] == 0.0 and checks[-1]["lora_delta"] > 0
+        for before, after in zip(checks, checks[1:]):
+            if after["lora_delta"] != before["lora_delta"]:
+                assert _moved(before["engine_logprobs"], after["engine_logprobs"]) > 1e-3
+        assert any("weight_sync/adapter_id" in h for h in r["logged"])
 
 
 @pytest.mark.parametrize(
@@ -47,27 +81,28 @@ def test_adapter_syncs_are_exact_in_the_lora_manager_and_served(
         "--steps",
         str(STEPS),
     )
-    assert result.returncode == 0, result.log[-6000:]
-    assert len(result.ranks) == 2
-    for r in result.ranks:
-        assert r["error"] is None, r["error"]
-        assert r["global_step"] == STEPS
-        assert r["wrapper"][WRAPPER_FLAG[backend]], r["wrapper"]
-        checks, reports = r["checks"], r["reports"]
-        assert len(checks) == len(reports) >= STEPS
-        for i, (check, report) in enumerate(zip(checks, reports, strict=True)):
-            assert check["wrapper"][WRAPPER_FLAG[backend]]
-            assert check["adapter_id"] == report["adapter_id"] == i + 1
-            assert check["loaded"] == [i + 1], "the previous adapter must be unloaded"
-            assert check["compared"] == 8 and check["adapter_problems"] == [], check["adapter_problems"]
-            assert check["logits_problems"] == [], check["logits_problems"]
-            assert report["tensors"] == 8 and report["bytes"] == ADAPTER_NUMEL * 4
-            assert r["in_sync"][i]["unshards"] == 0, "FSDP unsharded a unit during an adapter sync"
-            # every rank's share padded to the longest (at most the adapter per rank), and a few sizes and places
-            assert 0 < r["in_sync"][i]["gathered_elements"] <= 2 * (ADAPTER_NUMEL + 3 * 8 + 2)
-        # lora_B starts at zero: the first adapter serves the base; training moves it, and the engine with it.
-        assert checks[0]["lora_delta"] == 0.0 and checks[-1]["lora_delta"] > 0
-        for before, after in zip(checks, checks[1:]):
-            if after["lora_delta"] != before["lora_delta"]:
-                assert _moved(before["engine_logprobs"], after["engine_logprobs"]) > 1e-3
-        assert any("weight_sync/adapter_id" in h for h in r["logged"])
+    _check(result, backend, colocated=True)
+
+
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+def test_adapter_syncs_into_a_server_over_the_transfer(backend: str, lora_server: VLLMServerProcess, checkpoints, tmp_path) -> None:
+    """Server mode: rank 0 sends the adapter over the gloo transfer (no shared disk); the server's plugin builds it
+    in its LoRA manager and serves it to the next request naming it (TRL's client asks by the adapter's name)."""
+    result = run_grpo(
+        checkpoints("qwen2"),
+        tmp_path,
+        backend,
+        "--peft",
+        "--adapter",
+        "--perturb",
+        "0",
+        "--steps",
+        str(STEPS),
+        "--vllm-mode",
+        "server",
+        "--server-url",
+        lora_server.base_url,
+        "--group-port",
+        str(free_port()),
+    )
+    _check(result, backend, colocated=False)

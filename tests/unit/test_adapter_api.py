@@ -98,3 +98,22 @@ def test_adapter_and_sparse_options_exclude_each_other() -> None:
     with pytest.raises(ValueError, match="adapter=True"):
         SyncConfig(adapter=True, sparse=True)
     assert SyncConfig().adapter is None
+
+
+def test_a_server_reports_its_lora_rank_and_pushed_names_resolve_to_memory() -> None:
+    """`/server_info` with a LoRA config gives the rank adapter syncs check against; a pushed adapter's name resolves
+    to a request for the in-memory adapter (its path names no file), any other name to nothing."""
+    import asyncio
+
+    from fsdp_sync.compat.lora_api import IN_MEMORY_PATH
+    from fsdp_sync.compat.lora_patches import InMemoryLoRAResolver
+    from fsdp_sync.compat.server_api import parse_server_info
+
+    answer = {"vllm_config": {"model_config": {"model": "/m", "dtype": "float32"}, "lora_config": {"max_lora_rank": 8}}}
+    assert parse_server_info(answer).max_lora_rank == 8
+    del answer["vllm_config"]["lora_config"]
+    assert parse_server_info(answer).max_lora_rank is None
+    resolver = InMemoryLoRAResolver()
+    request = asyncio.run(resolver.resolve_lora("/m", "fsdp-vllm-sync-v3"))
+    assert request.lora_name == "fsdp-vllm-sync-v3" and request.lora_path.startswith(IN_MEMORY_PATH)
+    assert asyncio.run(resolver.resolve_lora("/m", "some/other-adapter")) is None
