@@ -84,8 +84,12 @@ def test_adapter_syncs_are_exact_in_the_lora_manager_and_served(
     _check(result, backend, colocated=True)
 
 
-@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
-def test_adapter_syncs_into_a_server_over_the_transfer(backend: str, lora_server: VLLMServerProcess, checkpoints, tmp_path) -> None:
+# NOTE: FSDP2 only in CI (FSDP1 passed here too, 131 s with the server's start): the trainer side of an adapter sync
+# is the same in both modes, and FSDP1 runs colocated above; CI's time budget is tight.
+@pytest.mark.parametrize("backend", ["fsdp2"])
+def test_adapter_syncs_into_a_server_over_the_transfer(
+    backend: str, lora_server: VLLMServerProcess, checkpoints, tmp_path
+) -> None:
     """Server mode: rank 0 sends the adapter over the gloo transfer (no shared disk); the server's plugin builds it
     in its LoRA manager and serves it to the next request naming it (TRL's client asks by the adapter's name)."""
     result = run_grpo(
