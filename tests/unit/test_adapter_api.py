@@ -117,3 +117,55 @@ def test_a_server_reports_its_lora_rank_and_pushed_names_resolve_to_memory() -> 
     request = asyncio.run(resolver.resolve_lora("/m", "fsdp-vllm-sync-v3"))
     assert request.lora_name == "fsdp-vllm-sync-v3" and request.lora_path.startswith(IN_MEMORY_PATH)
     assert asyncio.run(resolver.resolve_lora("/m", "some/other-adapter")) is None
+
+
+class _AdapterEngine:
+    """An `AdapterWriter` whose engine has LoRA (`limits`) or not (None); it records what it is given."""
+
+    kind = "fake"
+    pushes = True
+    engine_per_rank = True
+    retains_tensors = False
+    engine_dtype = torch.float32
+
+    def __init__(self, limits: LoRALimits | None) -> None:
+        self.limits = limits
+
+    def lora_limits(self) -> LoRALimits | None:
+        return self.limits
+
+    def base_checkpoint(self) -> str:
+        return "/nonexistent"
+
+    def load_adapter(self, adapter: object) -> None:
+        raise AssertionError("nothing is loaded at build time")
+
+    def adapter_request(self) -> object | None:
+        return None
+
+
+def _tiny_peft(**lora: object) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    return get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj"], **lora))
+
+
+def test_adapter_syncs_by_default_where_the_engine_serves_the_adapter_else_merged_with_the_reason(caplog) -> None:
+    import logging
+
+    from fsdp_sync.assemble import _adapter_sync
+    from fsdp_sync.errors import UnsupportedSetupError
+    from fsdp_sync.sync.adapter import AdapterSync
+
+    cpu = torch.device("cpu")
+    sync = _adapter_sync(_tiny_peft(), _AdapterEngine(LIMITS), SyncConfig(), cpu, None)
+    assert isinstance(sync, AdapterSync) and sync.plan is not None
+    with caplog.at_level(logging.INFO, logger="fsdp_sync.assemble"):
+        assert _adapter_sync(_tiny_peft(), _AdapterEngine(None), SyncConfig(), cpu, None) is None
+        assert _adapter_sync(_tiny_peft(use_dora=True), _AdapterEngine(LIMITS), SyncConfig(), cpu, None) is None
+    assert "started without LoRA" in caplog.text and "DoRA" in caplog.text
+    with pytest.raises(UnsupportedSetupError, match="SyncConfig\\(adapter=False\\)"):
+        _adapter_sync(_tiny_peft(use_dora=True), _AdapterEngine(LIMITS), SyncConfig(adapter=True), cpu, None)
