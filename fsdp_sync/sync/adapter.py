@@ -278,6 +278,7 @@ class AdapterSync:
         self.coordinator = Coordinator(config.sync_timeout_s)
         self.version = 0
         self._plan: AdapterPlan | None = None
+        self._base_seconds = 0.0
 
     @property
     def checked_plan(self) -> AdapterPlan | None:
