@@ -3,6 +3,7 @@
     python -m benchmarks.run cpu [--reps 5] [--models qwen2-36m,qwen2-150m]
     python -m benchmarks.run server [--reps 5] [--models qwen2-36m,qwen2-150m]   (starts a vLLM CPU server per model)
     python -m benchmarks.run safety [--reps 5] [--models qwen2-36m,qwen2-150m]   (cost of check_finite and verify)
+    python -m benchmarks.run adapter [--reps 5] [--models ...]   (adapter syncs vs merged complete and delta)
     python -m benchmarks.run delta [--reps 5] [--models ...] [--engine cpu|buffers] [--copies loop|batched|graph]
         (delta vs complete vs TRL LoRA)
     python -m benchmarks.run sparse [--reps 6] [--models ...]   (bf16 elements changed per Adam step; sparse vs dense)
@@ -132,6 +133,27 @@ def _delta(args: argparse.Namespace) -> None:
     # NOTE: the engine-layout buffers on CPU ranks (a smoke test) never replace the GPU table.
     kind = "delta-cpu" if args.engine == "cpu" else ("delta-gpu" if gpu else "delta-buffers-cpu")
     _save(args.results, kind, machine, rows, delta_table)
+
+
+def _adapter(args: argparse.Namespace) -> None:
+    import os
+
+    import torch
+
+    from fsdp_sync._demo.dist import run_distributed
+    from fsdp_sync._demo.models import build_tiny_checkpoint
+
+    from .adapter import adapter_table, adapter_worker
+    from .shapes import CPU_SHAPES
+
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            model_dir = str(build_tiny_checkpoint(Path(tmp) / name, CPU_SHAPES[name]))
+            for rank_rows in run_distributed(adapter_worker, name, model_dir, args.reps, world_size=2, backend="gloo"):
+                rows.extend(rank_rows)
+    machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 rank(s), vLLM CPU engine (LoRA enabled) in each rank, torch {torch.__version__}"
+    _save(args.results, "adapter-cpu", machine, rows, adapter_table)
 
 
 def _sparse(args: argparse.Namespace) -> None:
@@ -301,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--models", default="qwen2-36m,qwen2-150m")
     safety = sub.add_parser("safety")
     safety.add_argument("--models", default="qwen2-36m,qwen2-150m")
+    adapter = sub.add_parser("adapter")
+    adapter.add_argument("--models", default="qwen2-36m,qwen2-150m")
     delta = sub.add_parser("delta")
     delta.add_argument("--models", default="qwen2-36m,qwen2-150m")
     delta.add_argument("--engine", choices=["cpu", "buffers"], default="cpu")
@@ -329,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report")
     rep.add_argument("--kind", default="cpu")
     sparse_sync.add_argument("--results", type=Path, default=RESULTS)
-    for p in (cpu, server, safety, delta, sparse, gpu, kernels, suite, rep):
+    for p in (cpu, server, safety, adapter, delta, sparse, gpu, kernels, suite, rep):
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -340,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             _server(args)
         case "safety":
             _safety(args)
+        case "adapter":
+            _adapter(args)
         case "delta":
             _delta(args)
         case "sparse":

@@ -31,6 +31,7 @@ class ServerInfo:
         served_name: the model name the server answers to in requests.
         engine_fixes: the reload fixes every weight-transfer engine of the server applies (this package installed in
             the server's environment; read apart from `/server_info`, on every rank, before the trainer is built).
+        max_lora_rank: the server's `max_lora_rank`; None where it was started without LoRA (`--enable-lora`).
     """
 
     model: str
@@ -38,6 +39,7 @@ class ServerInfo:
     weight_transfer_backend: str | None
     served_name: str
     engine_fixes: frozenset[str] = frozenset()
+    max_lora_rank: int | None = None
 
 
 def _dtype(value: Any) -> torch.dtype:
@@ -66,9 +68,11 @@ def parse_server_info(answer: dict[str, Any]) -> ServerInfo:
     served = model_config.get("served_model_name") or model_config["model"]
     if isinstance(served, list):
         served = served[0]
+    lora = config.get("lora_config")
     return ServerInfo(
         model=str(model_config["model"]),
         dtype=_dtype(model_config["dtype"]),
         weight_transfer_backend=str(backend) if backend else None,
         served_name=str(served),
+        max_lora_rank=int(lora["max_lora_rank"]) if isinstance(lora, dict) and "max_lora_rank" in lora else None,
     )

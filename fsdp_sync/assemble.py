@@ -6,6 +6,7 @@ the one place that decides how.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,14 +17,18 @@ from fsdp_sync.compat.names import NameRules, canonical_name
 
 from .backend import Backend, detect_backend, user_model
 from .config import SyncConfig
+from .errors import UnsupportedSetupError
 from .gather import Gatherer, make_gatherer
 from .peft_merge import PeftMerge
 from .memory import MemoryMeter
+from .sync.adapter import FALLBACK, AdapterSync, adapter_refusal
 from .sync.pipeline import WeightSync
 from .sync.stream import WeightStream
 from .writers.base import EngineWriter
 
 __all__ = ["build_stream", "build_sync"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,13 +84,22 @@ def build_sync(
     *,
     device: torch.device,
     backend: Backend | None = None,
-) -> WeightSync:
-    """The sync pipeline for `model` (as the trainer holds it) into `writer`, configured by `config`.
+) -> WeightSync | AdapterSync:
+    """The sync pipeline for `model` (as the trainer holds it) into `writer`, configured by `config`: an adapter
+    sync where `config.adapter` asks for one and the engine can serve the adapter, else merged (or plain) syncs.
 
     Args:
         device: where the model computes (CPU-offloaded FSDP shards are moved there before their gather).
         backend: the detected backend, when the caller has it already.
+
+    Raises:
+        UnsupportedSetupError: `SyncConfig(adapter=True)` and the adapter cannot be pushed as one (the reason and
+            the fallback named); nothing was written.
     """
+    if config.adapter is not False:
+        adapter = _adapter_sync(model, writer, config, device, backend)
+        if adapter is not None:
+            return adapter
     # NOTE: read on every rank only where every rank has an engine (colocated): the gathers cast by it, so all ranks
     # must decide alike; a server's engine keeps its dtypes to itself (every floating tensor is cast).
     wider = frozenset(writer.manifest().wider) if config.check_manifest and writer.engine_per_rank else frozenset()
@@ -101,6 +115,26 @@ def build_sync(
         device=device,
         uncast=wider,
     )
+
+
+def _adapter_sync(
+    model: nn.Module, writer: EngineWriter, config: SyncConfig, device: torch.device, backend: Backend | None
+) -> AdapterSync | None:
+    """The adapter sync, decided once: None where merged syncs run (the reason logged for a PEFT model)."""
+    backend = backend or detect_backend(model)
+    inner = user_model(model)
+    rules = NameRules.for_model(inner)
+    if not rules.peft and config.adapter is None:
+        return None
+    gatherer = make_gatherer(model, backend, config, engine_dtype=None, compute_device=None)
+    refusal = adapter_refusal(inner, gatherer, rules, writer)
+    if refusal is None:
+        logger.info("weight sync: adapter syncs (only lora_A/lora_B go, into the engine's LoRA manager)")
+        return AdapterSync(inner, gatherer, writer, config, rules=rules, backend=backend.value)
+    if config.adapter:
+        raise UnsupportedSetupError(f"SyncConfig(adapter=True): {refusal}; {FALLBACK}. Nothing was written.")
+    logger.info("weight sync: merged syncs, not adapter syncs: %s", refusal)
+    return None
 
 
 def build_stream(

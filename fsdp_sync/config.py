@@ -65,6 +65,14 @@ class SyncConfig:
         group_port: server mode: the TCP port the trainer's sender hosts the weight-transfer group on (overrides
             the trainer's `vllm_group_port`; TRL's async trainer has none); None: the trainer's `vllm_group_port`,
             else 51216.
+        adapter: for a PEFT LoRA model, push only the adapter (`lora_A`, `lora_B`) into the engine's LoRA manager, in
+            memory, instead of merging it into the base and pushing merged weights (docs/adapters.md). None (the
+            default): on where the engine was started with LoRA enabled and can serve the adapter, else merged syncs
+            with the reason logged. True: required; what the engine cannot serve (DoRA, `modules_to_save`, a rank
+            above its `max_lora_rank`, target modules vLLM does not support for the architecture, a base that
+            differs from the engine's checkpoint) is an error before anything is written; a colocated engine that
+            TRL builds is started with LoRA enabled for it. False: merged syncs. Delta and sparse options do not
+            apply to adapter syncs (the whole adapter goes every time: it is small).
     """
 
     fsdp1_strategy: str = "flat"
@@ -83,6 +91,7 @@ class SyncConfig:
     sparse: bool = False
     sparse_max_density: float = 0.1
     group_port: int | None = None
+    adapter: bool | None = None
 
     def __post_init__(self) -> None:
         if self.fsdp1_strategy not in _FSDP1:
@@ -101,5 +110,7 @@ class SyncConfig:
             raise ValueError("sparse=True builds on delta syncs; set delta=True (the default) or sparse=False")
         if self.group_port is not None and not 0 < self.group_port < 65536:
             raise ValueError(f"group_port={self.group_port}; must be a TCP port (1-65535) or None")
+        if self.adapter and self.sparse:
+            raise ValueError("adapter=True pushes the whole adapter each sync; sparse=True applies to merged syncs only")
         if self.fsdp2_strategy not in _FSDP2:
             raise ValueError(f"fsdp2_strategy={self.fsdp2_strategy!r}; valid: {list(_FSDP2)}")

@@ -29,6 +29,7 @@ from fsdp_sync.compat.trl_api import (
     server_mode_problem,
 )
 from fsdp_sync.compat.engine_api import engine_handle, transformers_backend
+from fsdp_sync.compat.trl_adapter import ask_for_adapter, ask_server_for_adapter, engine_with_lora, peft_rank
 from fsdp_sync.compat.vllm_patches import keep_cpu_linear_weights, keep_mla_kv_b_proj_weights
 from fsdp_sync.compat.weight_transfer import missing_api
 
@@ -38,6 +39,7 @@ from .distributed import Coordinator
 from .errors import EngineState, SyncError, UnsupportedSetupError, agreed_error
 from .faults import fault_point
 from .assemble import build_sync
+from .sync.adapter import AdapterSync
 from .sync.pipeline import WeightSync
 from .sync.stream import SyncPlan
 from .report import SyncReport
@@ -98,10 +100,11 @@ class FSDPVLLMSyncMixin:
             # NOTE: also before the engine is built: vLLM-CPU's latent attention (DeepSeek) frees a weight every
             # reload needs right after the first load (no effect elsewhere; see compat.vllm_patches).
             keep_mla_kv_b_proj_weights()
-            init(*args, **kwargs)
+            with _engine_for_adapters(config, bound.get("peft_config")):
+                init(*args, **kwargs)
         self.sync_config = config
         self.sync_reports: list[SyncReport] = []
-        self._fvs_sync: WeightSync | None = None
+        self._fvs_sync: WeightSync | AdapterSync | None = None
         self._fvs_model: torch.nn.Module | None = None
         self._fvs_backend: Backend | None = None
         self._fvs_stale = False
@@ -168,10 +171,17 @@ class FSDPVLLMSyncMixin:
         run_async_sync(self)
 
     @property
+    def adapter_request(self) -> object | None:
+        """The `LoRARequest` of the adapter the last adapter sync loaded (None with merged syncs, before the first
+        sync, and on ranks without an engine): what generation must pass to be served the trained adapter."""
+        return self._fvs_sync.adapter_request() if isinstance(self._fvs_sync, AdapterSync) else None
+
+    @property
     def sync_plan(self) -> SyncPlan | None:
         """What each sync sends (trainer name -> checkpoint name, dropped names); None before the first sync, or
         when its plan failed the check (the error says why)."""
-        return self._fvs_sync.checked_plan if self._fvs_sync is not None else None
+        sync = self._fvs_sync
+        return sync.checked_plan if isinstance(sync, WeightSync) else None
 
     @property
     def sync_backend(self) -> Backend | None:
@@ -225,7 +235,7 @@ class FSDPVLLMSyncMixin:
         coordinator = Coordinator(self.sync_config.sync_timeout_s)
         error: Exception | None = None
         backend: Backend | None = None
-        sync: WeightSync | None = None
+        sync: WeightSync | AdapterSync | None = None
         try:
             fault_point("build")
             backend = detect_backend(model)
@@ -238,6 +248,21 @@ class FSDPVLLMSyncMixin:
         if failures:
             raise agreed_error(error, failures, EngineState("unchanged") if self._fvs_target is not None else None)
         self._fvs_sync, self._fvs_model, self._fvs_backend = sync, model, backend
+        if isinstance(sync, AdapterSync):
+            self._fvs_generate_with_adapter(sync)
+
+    # --- adapter syncs (SyncConfig.adapter): generation asks for the adapter the last sync loaded ---
+
+    def _fvs_generate_with_adapter(self, sync: AdapterSync) -> None:
+        """Make the trainer's colocated generation pass the current adapter's `LoRARequest` (TRL's generate calls
+        pass none; see compat.trl_adapter). Server mode asks by the adapter's name (the writer's)."""
+        target = self._fvs_target
+        if target is None:
+            return
+        if target.mode == "colocate" and target.llm is not None:
+            ask_for_adapter(target.llm, sync.adapter_request)
+        if target.mode == "server" and target.client is not None:
+            ask_server_for_adapter(target.client, sync.adapter_request)
 
     def resync(self) -> None:
         """Make the next weight sync send every weight whole (complete, and dense with `SyncConfig(sparse=True)`).
@@ -316,3 +341,12 @@ class FSDPVLLMSyncMixin:
             return generate(*args, **kwargs)
 
         owner.generate = generate_from_current_weights
+
+
+def _engine_for_adapters(config: SyncConfig, peft_config: Any) -> Any:
+    """The context TRL's colocated engine is built in: with LoRA enabled where adapter syncs are required
+    (`SyncConfig(adapter=True)`) and the trainer is given a LoRA config; as is otherwise."""
+    import contextlib
+
+    rank = peft_rank(peft_config) if config.adapter else None
+    return engine_with_lora(rank) if rank is not None else contextlib.nullcontext()

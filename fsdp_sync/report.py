@@ -1,10 +1,134 @@
-"""What one sync did: time, bytes, throughput, peak extra memory; as a record and as trainer metrics."""
+"""What one sync did: time, bytes, throughput, peak extra memory; as a record and as trainer metrics.
+
+The figures every sync has live on `SyncReport` itself; each mode adds its own typed figures (`DeltaFigures`,
+`SparseFigures`, `AdapterFigures`), which its selection policy makes (`SelectionPolicy.report`), so the pipeline that
+builds the report knows no mode. A mode's figure reads as an attribute of the report (`report.patch_bytes`), with the
+figure's default where the sync ran in another mode.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
-__all__ = ["SyncReport"]
+__all__ = ["AdapterFigures", "DeltaFigures", "Figures", "SparseFigures", "SyncReport"]
+
+
+class Figures(Protocol):
+    """One mode's figures of one sync."""
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """Scalar metrics for the trainer's logs, beyond the report's own."""
+        ...
+
+    def summary(self) -> str:
+        """A few words for the report's one-line summary ("" for none)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DeltaFigures:
+    """A delta sync (`SyncConfig.delta`).
+
+    Attributes:
+        complete: every planned tensor was sent.
+        skipped_tensors, skipped_bytes: planned tensors not sent, and their bytes on the wire.
+        changed_skipped: skipped weights found changed by the delta check (sent, and logged by name).
+        check_seconds: time of the delta check (fingerprints of the skipped weights and the agreement; not in
+            `seconds`).
+    """
+
+    complete: bool = True
+    skipped_tensors: int = 0
+    skipped_bytes: int = 0
+    changed_skipped: int = 0
+    check_seconds: float = 0.0
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        return {}
+
+    def summary(self) -> str:
+        if self.complete:
+            return ""
+        return (
+            f" (delta: {self.skipped_tensors} tensors, {self.skipped_bytes / 1e6:.2f} MB skipped, checked in "
+            f"{self.check_seconds * 1e3:.1f} ms)"
+        )
+
+
+@dataclass(frozen=True)
+class SparseFigures:
+    """A sync under `SyncConfig.sparse`; where it sent patches, the report's `tensors` and `bytes` are what went whole.
+
+    Attributes:
+        patched: the sync sent patches (a dense sync of the sparse mode has its snapshot figures only).
+        patched_tensors, patched_elements: the tensors sent as patches and their elements in all.
+        diffed_elements: the elements compared with the snapshot (the patched tensors, and those that then went
+            whole: their engine module changed more than `SyncConfig.sparse_max_density`).
+        changed_elements: the elements among them that changed (those of the patched tensors sent as (index, value)).
+        patch_bytes: bytes of the patches on the wire (the trainer's patch collectives, as one rank receives them).
+        snapshot_bytes: this rank's sparse snapshot (its shards as last pushed, in the engine dtype).
+        snapshot_seconds: time to take the snapshot after a dense sync (not in `seconds`).
+        patch_seconds: the trainer side: the diff, the counts and the patch collectives (in `seconds`).
+    """
+
+    patched: bool = False
+    patched_tensors: int = 0
+    patched_elements: int = 0
+    diffed_elements: int = 0
+    changed_elements: int = 0
+    patch_bytes: int = 0
+    snapshot_bytes: int = 0
+    snapshot_seconds: float = 0.0
+    patch_seconds: float = 0.0
+
+    @property
+    def changed_fraction(self) -> float:
+        """Of the elements diffed, the fraction that changed (0 for a sync without a diff)."""
+        return self.changed_elements / self.diffed_elements if self.diffed_elements else 0.0
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        if not self.patched:
+            return {}
+        return {
+            f"{prefix}changed_fraction": self.changed_fraction,
+            f"{prefix}patch_gbytes": self.patch_bytes / 1e9,
+            f"{prefix}patched_tensors": float(self.patched_tensors),
+        }
+
+    def summary(self) -> str:
+        if not self.patched:
+            return ""
+        return (
+            f", sparse: {self.patched_tensors} tensors as patches ({self.changed_fraction:.2%} changed, "
+            f"{self.patch_bytes / 1e6:.2f} MB)"
+        )
+
+
+@dataclass(frozen=True)
+class AdapterFigures:
+    """An adapter sync (`SyncConfig.adapter`): only the LoRA tensors went, into the engine's LoRA manager.
+
+    Attributes:
+        adapter_id: the engine's id of the adapter this sync loaded (generation asks for it from now on).
+        adapter_tensors: the LoRA tensors sent (`lora_A` and `lora_B` per target module).
+        base_checked_seconds: time of the one-time digest check of the engine's base (0 after the first sync).
+    """
+
+    adapter_id: int = 0
+    adapter_tensors: int = 0
+    base_checked_seconds: float = 0.0
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}adapter_id": float(self.adapter_id)}
+
+    def summary(self) -> str:
+        return f" (adapter {self.adapter_id}: {self.adapter_tensors} LoRA tensors, base untouched)"
+
+
+# Every mode's figures: a report reads a figure of a mode that did not run as that figure's default.
+_KINDS: tuple[type, ...] = (DeltaFigures, SparseFigures, AdapterFigures)
+_DEFAULTS: dict[str, Any] = {f.name: f.default for kind in _KINDS for f in fields(kind)}
 
 
 @dataclass(frozen=True)
@@ -25,21 +149,8 @@ class SyncReport:
         verified: with `SyncConfig(verify=True)`: engine weights whose digest matched what was sent.
         unverifiable: with `verify`: engine weights that could not be compared (named in the logs).
         verify_seconds: with `verify`: time spent on digests, trainer and engine side (not in `seconds`).
-        complete: every planned tensor was sent (False: a delta sync, `SyncConfig.delta`).
-        skipped_tensors, skipped_bytes: planned tensors a delta sync did not send, and their bytes on the wire.
-        changed_skipped: skipped weights found changed by the delta check (sent, and logged by name).
-        check_seconds: time of the delta check (fingerprints of the skipped weights and the agreement; not in
-            `seconds`).
-        sparse: the sync sent patches (`SyncConfig.sparse`); `tensors` and `bytes` are then what went whole.
-        patched_tensors, patched_elements: the tensors sent as patches and their elements in all.
-        diffed_elements: the elements compared with the snapshot (the patched tensors, and those that then went
-            whole: their engine module changed more than `SyncConfig.sparse_max_density`).
-        changed_elements: the elements among them that changed (those of the patched tensors sent as (index, value)).
-        patch_bytes: bytes of the patches on the wire (the trainer's patch collectives, as one rank receives them).
-        snapshot_bytes: this rank's sparse snapshot (its shards as last pushed, in the engine dtype).
-        snapshot_seconds: time to take the snapshot after a dense sync (not in `seconds`).
-        patch_seconds: the trainer side of a sparse sync: the diff, the counts and the patch collectives (in
-            `seconds`).
+        figures: the mode's own figures (`DeltaFigures`, `SparseFigures`, `AdapterFigures`), each readable as
+            attributes of the report.
     """
 
     seconds: float
@@ -56,30 +167,36 @@ class SyncReport:
     verified: int | None = None
     unverifiable: int | None = None
     verify_seconds: float = 0.0
-    complete: bool = True
-    skipped_tensors: int = 0
-    skipped_bytes: int = 0
-    changed_skipped: int = 0
-    check_seconds: float = 0.0
-    sparse: bool = False
-    patched_tensors: int = 0
-    patched_elements: int = 0
-    diffed_elements: int = 0
-    changed_elements: int = 0
-    patch_bytes: int = 0
-    snapshot_bytes: int = 0
-    snapshot_seconds: float = 0.0
-    patch_seconds: float = 0.0
+    figures: tuple[Figures, ...] = ()
 
     @classmethod
     def failed(cls, error: BaseException, engine: str, *, backend: str, strategy: str, writer: str) -> SyncReport:
         """The record of a sync that raised."""
         return cls(0.0, 0, 0, 0, "", backend, strategy, writer, ok=False, engine=engine, error=f"{type(error).__name__}: {error}")
 
+    def __getattr__(self, name: str) -> Any:
+        # NOTE: only reached for names that are not the report's own: a mode's figure, or its default.
+        if name.startswith("__") or name not in _DEFAULTS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        for figures in self.__dict__.get("figures", ()):
+            if hasattr(figures, name):
+                return getattr(figures, name)
+        return _DEFAULTS[name]
+
+    def figure(self, kind: type[Any]) -> Any:
+        """This report's figures of type `kind`, or None where the sync ran in another mode."""
+        return next((f for f in self.figures if isinstance(f, kind)), None)
+
+    @property
+    def sparse(self) -> bool:
+        """The sync sent patches (`SyncConfig.sparse`)."""
+        return self.patched
+
     @property
     def changed_fraction(self) -> float:
         """Of the elements diffed, the fraction that changed (0 for a sync without a diff)."""
-        return self.changed_elements / self.diffed_elements if self.diffed_elements else 0.0
+        sparse = self.figure(SparseFigures)
+        return sparse.changed_fraction if sparse is not None else 0.0
 
     @property
     def gbps(self) -> float:
@@ -100,10 +217,8 @@ class SyncReport:
             f"{prefix}skipped_tensors": float(self.skipped_tensors),
             f"{prefix}skipped_gbytes": self.skipped_bytes / 1e9,
         }
-        if self.sparse:
-            metrics[f"{prefix}changed_fraction"] = self.changed_fraction
-            metrics[f"{prefix}patch_gbytes"] = self.patch_bytes / 1e9
-            metrics[f"{prefix}patched_tensors"] = float(self.patched_tensors)
+        for figures in self.figures:
+            metrics.update(figures.metrics(prefix))
         if self.verified is not None:
             metrics[f"{prefix}verify_seconds"] = self.verify_seconds
             metrics[f"{prefix}unverifiable"] = float(self.unverifiable or 0)
@@ -112,20 +227,15 @@ class SyncReport:
     def summary(self) -> str:
         if not self.ok:
             return f"weight sync [{self.backend}/{self.strategy} -> {self.writer}] FAILED; engine {self.engine}: {self.error}"
-        skipped = (
-            f" (delta: {self.skipped_tensors} tensors, {self.skipped_bytes / 1e6:.2f} MB skipped, checked in "
-            f"{self.check_seconds * 1e3:.1f} ms)" if not self.complete else ""
-        )
-        if self.sparse:
-            skipped += (
-                f", sparse: {self.patched_tensors} tensors as patches ({self.changed_fraction:.2%} changed, "
-                f"{self.patch_bytes / 1e6:.2f} MB)"
-            )
+        extra = "".join(f.summary() for f in self.figures)
         return (
-            f"weight sync [{self.backend}/{self.strategy} -> {self.writer}]: {self.tensors} tensors{skipped}, "
+            f"weight sync [{self.backend}/{self.strategy} -> {self.writer}]: {self.tensors} tensors{extra}, "
             f"{self.bytes / 1e6:.2f} MB in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s), "
             f"peak extra {self.peak_extra_bytes / 1e6:.2f} MB ({self.memory_source})"
         )
 
     def as_dict(self) -> dict[str, object]:
-        return {**asdict(self), "gbps": self.gbps, "changed_fraction": self.changed_fraction}
+        """Every figure flat, each mode's included (at its default where it did not run)."""
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "figures"}
+        modes = {name: getattr(self, name) for name in _DEFAULTS}
+        return {**record, **modes, "sparse": self.sparse, "gbps": self.gbps, "changed_fraction": self.changed_fraction}

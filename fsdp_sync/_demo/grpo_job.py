@@ -123,6 +123,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="import vllm.distributed.weight_transfer from DIR (another vLLM release's, see "
         "fsdp_sync._demo.vllm_release) instead of the installed one",
     )
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="SyncConfig(adapter=True): push only the LoRA adapter (with --check: the adapter check, AdapterChecker)",
+    )
     p.add_argument("--verify", action="store_true", help="SyncConfig(verify=True)")
     p.add_argument("--check-finite", action="store_true", help="SyncConfig(check_finite=True)")
     p.add_argument(
@@ -351,6 +356,111 @@ class EngineChecker:
         return {"problems": problems, "counts": counts}
 
 
+class AdapterChecker:
+    """The check after an adapter sync, on every rank (colocated): the engine's LoRA manager holds exactly the
+    trainer's adapter (read back, bit for bit: `lora_A` as is, `lora_B` with the adapter's scaling folded in, as vLLM
+    keeps it), only the current version is loaded, and the engine's logprobs, served on the adapter, equal those of
+    the trainer's full model (PEFT's own merge of the same weights) within the tolerance of the merged checks."""
+
+    def __init__(self, trainer: Any, peft_config: Any) -> None:
+        self.trainer = trainer
+        self.peft_config = peft_config
+        self.records: list[dict[str, Any]] = []
+
+    def __call__(self) -> None:
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from fsdp_sync.backend import unwrap_outer
+        from fsdp_sync.compat.engine_api import engine_handle, packed_modules
+        from fsdp_sync.compat.lora_api import engine_adapter, loaded_adapters
+        from fsdp_sync._demo.engine import LOGPROB_PROMPTS, logprobs_check
+
+        llm = _engine(self.trainer)
+        handle = engine_handle(llm)
+        request = self.trainer.adapter_request
+        held = engine_adapter(handle.worker, request.lora_int_id)
+        state = get_model_state_dict(
+            unwrap_outer(self.trainer.model_wrapped), options=StateDictOptions(full_state_dict=True)
+        )
+        scaling = self.peft_config.lora_alpha / self.peft_config.r
+        packed = packed_modules(handle.model)
+        problems: list[str] = []
+        compared = 0
+        for name, value in state.items():
+            parts = name.split(".")
+            kind = next((p for p in parts if p in ("lora_A", "lora_B")), None)
+            if kind is None:
+                continue
+            at = parts.index(kind)
+            module = ".".join(parts[:at]).removeprefix("base_model.model.")
+            parent, _, leaf = module.rpartition(".")
+            engine_module, slot = module, 0
+            for fused, parts_of in packed.items():
+                if leaf in parts_of:
+                    engine_module, slot = f"{parent}.{fused}", parts_of.index(leaf)
+            a_list, b_list = held.get(engine_module, ([], []))
+            got = (a_list if kind == "lora_A" else b_list)[slot] if slot < len(a_list) else None
+            expected = value.detach().cpu() if kind == "lora_A" else value.detach().cpu() * scaling
+            compared += 1
+            if got is None or not torch_equal(got.cpu(), expected.to(got.dtype)):
+                problems.append(f"{name}: the engine's {engine_module}[{slot}] differs from the trainer's")
+        full, lora_delta = full_reference_model(self.trainer, self.peft_config)
+        logits_problems = logprobs_check(llm, full, self.trainer.processing_class, handle.dtype)
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+        engine_logprobs = []
+        for prompt in LOGPROB_PROMPTS:
+            ids = self.trainer.processing_class(prompt)["input_ids"]
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+            engine_logprobs.append({int(t): lp.logprob for t, lp in out.items()})
+        self.records.append(
+            {
+                "step": self.trainer.state.global_step,
+                "wrapper": _wrapper_info(self.trainer.model_wrapped),
+                "adapter_id": request.lora_int_id,
+                "loaded": loaded_adapters(handle.worker),
+                "compared": compared,
+                "adapter_problems": problems,
+                "logits_problems": logits_problems,
+                "engine_logprobs": engine_logprobs,
+                "lora_delta": lora_delta,
+            }
+        )
+
+
+class UnshardCounter:
+    """Counts FSDP's own unshards (FSDP1 `FlatParamHandle.unshard`, FSDP2 `FSDPParamGroup.unshard`) and the
+    all-gathers of any collective, by elements, for the proof that an adapter sync unshards no base parameter."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp._flat_param import FlatParamHandle
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        self.unshards = 0
+        self.gathered = 0
+        for owner, attribute in ((FlatParamHandle, "unshard"), (FSDPParamGroup, "unshard")):
+            self._count(owner, attribute)
+        original = dist.all_gather_into_tensor
+
+        def all_gather_into_tensor(output: Any, *args: Any, **kwargs: Any) -> Any:
+            self.gathered += output.numel()
+            return original(output, *args, **kwargs)
+
+        dist.all_gather_into_tensor = all_gather_into_tensor
+
+    def _count(self, owner: type, attribute: str) -> None:
+        original = getattr(owner, attribute)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.unshards += 1
+            return original(*args, **kwargs)
+
+        setattr(owner, attribute, counted)
+
+
 def torch_equal(a: Any, b: Any) -> bool:
     import torch
 
@@ -483,6 +593,82 @@ class ServerChecker:
 # merge only with PEFT, verify only with --verify).
 SOAK_POINTS = ("check", "gather.prepare", "gather.launch", "gather.unflatten", "stream.map", "stream.cast", "write",
                "write.finish")  # fmt: skip
+
+
+class AdapterServerChecker(ServerChecker):
+    """The adapter check against a server (every rank): the server's LoRA manager holds exactly the trainer's
+    adapter (sha256 of each `lora_a`/`lora_b` as vLLM keeps it, read from the server's worker), only that version is
+    loaded, and the server's logprobs for the adapter's name equal those of the trainer's full model (PEFT's merge)."""
+
+    def __call__(self) -> None:
+        import dataclasses
+
+        import requests
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from fsdp_sync.backend import unwrap_outer
+        from fsdp_sync.compat.engine_api import packed_modules_for_architectures
+        from fsdp_sync.digest import tensor_digest
+        from fsdp_sync._demo.engine import LOGPROB_PROMPTS
+        from fsdp_sync._demo.vllm_server import server_adapter_digests
+
+        adapter_id = self.trainer.sync_reports[-1].adapter_id
+        name = f"fsdp-vllm-sync-v{adapter_id}"
+        info = self.info
+        self.info = dataclasses.replace(info, served_name=name)
+        try:
+            full, lora_delta = full_reference_model(self.trainer, self.peft_config)
+            logits_problems = self._logprobs_problems(full)  # the first request naming the adapter loads it
+            engine_logprobs = []
+            for prompt in LOGPROB_PROMPTS:
+                ids = self.trainer.processing_class(prompt)["input_ids"]
+                body = {"model": name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "logprobs": 5,
+                        "return_tokens_as_token_ids": True}  # fmt: skip
+                answer = requests.post(f"{self.client.base_url}/v1/completions", json=body, timeout=120).json()
+                top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+                engine_logprobs.append({int(t.split(":", 1)[1]): lp for t, lp in top.items()})
+        finally:
+            self.info = info
+        (worker,) = server_adapter_digests(self.client.base_url)
+        state = get_model_state_dict(
+            unwrap_outer(self.trainer.model_wrapped), options=StateDictOptions(full_state_dict=True)
+        )
+        scaling = self.peft_config.lora_alpha / self.peft_config.r
+        base_config = unwrap_outer(self.trainer.model_wrapped).get_base_model().config
+        packed = packed_modules_for_architectures(list(base_config.architectures or []))
+        problems: list[str] = []
+        compared = 0
+        for key, value in state.items():
+            parts = key.split(".")
+            kind = next((p for p in parts if p in ("lora_A", "lora_B")), None)
+            if kind is None:
+                continue
+            module = ".".join(parts[: parts.index(kind)]).removeprefix("base_model.model.")
+            parent, _, leaf = module.rpartition(".")
+            engine_module, slot = module, 0
+            for fused, members in packed.items():
+                if leaf in members:
+                    engine_module, slot = f"{parent}.{fused}", list(members).index(leaf)
+            held = worker["modules"].get(engine_module, {}).get("a" if kind == "lora_A" else "b", [])
+            expected = value.detach().cpu().to(info.dtype)
+            expected = expected if kind == "lora_A" else expected * scaling
+            compared += 1
+            if slot >= len(held) or held[slot] != tensor_digest(expected):
+                problems.append(f"{key}: the server's {engine_module}[{slot}] differs from the trainer's")
+        self.records.append(
+            {
+                "step": self.trainer.state.global_step,
+                "wrapper": _wrapper_info(self.trainer.model_wrapped),
+                "adapter_id": adapter_id,
+                "loaded": worker["ids"],
+                "compared": compared,
+                "adapter_problems": problems,
+                "logits_problems": logits_problems,
+                "engine_logprobs": engine_logprobs,
+                "lora_delta": lora_delta,
+            }
+        )
 
 
 class Injections:
@@ -740,6 +926,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 check_finite=args.check_finite,
                 delta=not args.no_delta,
                 sparse=args.sparse,
+                **({"adapter": True} if args.adapter else {}),
                 **({"sparse_max_density": args.sparse_max_density} if args.sparse_max_density is not None else {}),
                 **({"server_buffer_bytes": args.server_buffer_bytes} if args.server_buffer_bytes else {}),
             )
@@ -753,8 +940,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.stock_reload:
         _route_load_weights_to_reload(trainer, result["pushed"])
     checker: Any = None
-    if args.check:
+    if args.check and args.adapter:
+        checker = (
+            AdapterServerChecker(trainer, peft_config, args.server_url) if server else AdapterChecker(trainer, peft_config)
+        )
+    elif args.check:
         checker = ServerChecker(trainer, peft_config, args.server_url) if server else EngineChecker(trainer, peft_config)
+    counter = UnshardCounter() if args.adapter else None
+    result["in_sync"] = []
     # The sync entry point: TRL >= 0.28's `vllm_generation.sync_weights`, or OnlineDPO's `_move_model_to_vllm`.
     if hasattr(trainer, "vllm_generation"):
         owner, attribute = trainer.vllm_generation, "sync_weights"
@@ -784,6 +977,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if index in args.resync_at and result["rank"] == 0:
             trainer.resync()
         syncs_started.append(time.perf_counter())
+        counted = (counter.unshards, counter.gathered) if counter is not None else None
         try:
             inner_sync()
         except SyncError as e:
@@ -815,6 +1009,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["injections"].append({"sync": index, **armed, "fired_here": own})
             actions.run(index, "after")
         sync_seconds.append(time.perf_counter() - syncs_started[-1])
+        if counter is not None and counted is not None:
+            result["in_sync"].append(
+                {"unshards": counter.unshards - counted[0], "gathered_elements": counter.gathered - counted[1]}
+            )
         if checker is not None:
             checker()
 

@@ -44,6 +44,8 @@ READABLE_WEIGHTS_ENV = "FSDP_VLLM_SYNC_TEST_READABLE_WEIGHTS"
 # The worker method `install_readable_weights` adds for servers older than vLLM's own digests (`/weight_checker`,
 # 0.32); the test reaches it through the `/collective_rpc` development route (vLLM 0.28+).
 DIGESTS_METHOD = "fvs_test_weight_digests"
+# The workers' digests of the adapters their LoRA manager holds (sha256 of each lora_a / lora_b as vLLM keeps it).
+ADAPTER_DIGESTS_METHOD = "fvs_test_adapter_digests"
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -81,6 +83,7 @@ def install_readable_weights() -> None:
 
     def set_digests(module: ModuleType) -> None:
         setattr(module.WorkerBase, DIGESTS_METHOD, _worker_digests)
+        setattr(module.WorkerBase, ADAPTER_DIGESTS_METHOD, _worker_adapter_digests)
 
     callbacks: dict[str, Callable[[ModuleType], None]] = {
         "vllm.model_executor.layers.utils": lambda _: keep_engine_weights_readable(),
@@ -100,6 +103,30 @@ def _worker_digests(worker: Any) -> dict[str, str]:
 
     model = worker.model_runner.get_model()
     return {name: hashlib.sha256(tensor_bytes(p)).hexdigest() for name, p in model.named_parameters()}
+
+
+def _worker_adapter_digests(worker: Any) -> dict[str, Any]:
+    from fsdp_sync.compat.lora_api import engine_adapter, loaded_adapters
+    from fsdp_sync.digest import tensor_digest
+
+    ids = loaded_adapters(worker)
+    modules = {}
+    for adapter_id in ids:
+        for module, (a, b) in engine_adapter(worker, adapter_id).items():
+            modules[module] = {
+                "a": [tensor_digest(t) if t is not None else None for t in a],
+                "b": [tensor_digest(t) if t is not None else None for t in b],
+            }
+    return {"ids": ids, "modules": modules}
+
+
+def server_adapter_digests(base_url: str, timeout: float = 120.0) -> list[dict[str, Any]]:
+    """Each worker's `ADAPTER_DIGESTS_METHOD` answer (a server started by `VLLMServerProcess`, readable weights)."""
+    import requests
+
+    answer = requests.post(f"{base_url}/collective_rpc", json={"method": ADAPTER_DIGESTS_METHOD}, timeout=timeout)
+    answer.raise_for_status()
+    return answer.json()["results"]
 
 
 def server_weight_digests(base_url: str, timeout: float = 120.0) -> dict[str, str]:
@@ -131,6 +158,7 @@ class VLLMServerProcess:
         dtype: the engine dtype.
         startup_timeout: seconds to wait for `/health`.
         env: extra environment variables of the server (e.g. `FSDP_VLLM_SYNC_SPARSE=1`).
+        extra_args: more command-line options (e.g. `--enable-lora`).
     """
 
     def __init__(
@@ -143,8 +171,10 @@ class VLLMServerProcess:
         dtype: str = "bfloat16",
         startup_timeout: float = 600.0,
         env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
+        self.extra_args = list(extra_args or [])
         self.env = dict(env or {})
         self.log_path = Path(log_path)
         self.weight_transfer_backend = weight_transfer_backend
@@ -165,7 +195,7 @@ class VLLMServerProcess:
         ]  # fmt: skip
         if self.weight_transfer_backend is not None:
             cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer_backend})]
-        return cmd
+        return cmd + self.extra_args
 
     def start(self) -> VLLMServerProcess:
         """Start the server (again, after `kill`: on the same port, from the same checkpoint) and wait for it."""

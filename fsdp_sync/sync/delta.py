@@ -45,6 +45,7 @@ from ..gather.base import Gatherer
 from ..kernels import runtime as kernels
 from ..kernels.runtime import HostReadback
 from ..writers.base import VersionedWriter
+from ..report import DeltaFigures
 from .select import Payload, Selection, Settled
 from .stream import SyncPlan
 
@@ -365,6 +366,7 @@ class DeltaPolicy:
             makes the sync complete.
         unchanged: what this rank's engine holds when nothing was sent (None on a rank without an engine).
         device: where the trainer computes (one CUDA rank: logged once that complete syncs measured faster there).
+        engine_dtype: the engine's dtype (the bytes a sync skipped, on the wire).
     """
 
     needs_layout = True
@@ -379,8 +381,10 @@ class DeltaPolicy:
         versions: VersionedWriter | None,
         unchanged: Callable[[], EngineState | None],
         device: torch.device,
+        engine_dtype: torch.dtype | None = None,
     ) -> None:
         self.gatherer = gatherer
+        self.engine_dtype = engine_dtype
         self.coordinator = coordinator
         self.check = check
         self.merge_names = merge_names
@@ -504,5 +508,14 @@ class DeltaPolicy:
         if self.tracker is not None:
             self.tracker.forget()
 
-    def figures(self) -> dict[str, int]:
-        return {}
+    def report(self, payload: Payload, settled: Settled) -> tuple[DeltaFigures]:
+        selection = payload.selection
+        return (
+            DeltaFigures(
+                complete=selection.complete,
+                skipped_tensors=len(selection.skipped),
+                skipped_bytes=nbytes(selection.skipped, self.engine_dtype),
+                changed_skipped=len(selection.changed),
+                check_seconds=payload.check_seconds + settled.check_seconds,
+            ),
+        )

@@ -1,15 +1,11 @@
 """The patches of sparse syncs, as they travel: a patch (the changed elements of one tensor, by flat index into the
-full tensor), every rank's change counts, and the codec and collectives that join every rank's patches, the same
-encoding the gloo backend's patch round sends to a server.
-
-Indices travel as their low 16 bits, grouped by block of 2**16 elements with a count per block (`encode_indices`,
-`decode_indices`): 2 bytes per change plus 4 per block and rank, instead of 8. The decisions that read the counts (what
-goes whole) are `fsdp_sync.sync.sparse`'s.
+full tensor), every rank's change counts, and the collectives that join every rank's patches, in the encoding of
+`fsdp_sync.patch_codec` (the one the gloo backend's patch round sends to a server). The decisions that read the
+counts (what goes whole) are `fsdp_sync.sync.sparse`'s.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +14,9 @@ import torch.distributed as dist
 
 from fsdp_sync.compat.manifest import PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
+
+# NOTE: the codec is the bottom floor's (`fsdp_sync.patch_codec`), shared with the gloo backend; re-exported here.
+from ..patch_codec import decode_indices, decode_patch, encode_indices, encode_patch, index_blocks
 
 
 __all__ = [
@@ -58,31 +57,6 @@ class Patch:
         return self.indices.numel()
 
 
-# Indices travel as their low 16 bits, grouped by block of 2**16 elements, with a count per block: 2 bytes per change
-# plus 4 per block per rank, instead of 4 or 8 per change (measured at learning rate 1e-6: about 2% of bf16 values
-# change per step, so a change costs 4 bytes with its value instead of 6, and a patch is about 23x smaller than the
-# dense tensor instead of 16x; `benchmarks/sparse.py`).
-_BLOCK_BITS = 16
-
-
-def index_blocks(numel: int) -> int:
-    return -(-numel // (1 << _BLOCK_BITS))
-
-
-def encode_indices(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the low 16 bits of each ascending index, as int16; the changes per block, int32)."""
-    low = (indices & 0xFFFF).to(torch.int32)
-    low16 = torch.where(low >= 1 << 15, low - (1 << 16), low).to(torch.int16)
-    per_block = torch.bincount(indices >> _BLOCK_BITS, minlength=index_blocks(numel)).to(torch.int32)
-    return low16, per_block
-
-
-def decode_indices(low16: torch.Tensor, per_block: torch.Tensor) -> torch.Tensor:
-    low = low16.to(torch.int64) & 0xFFFF
-    block = torch.repeat_interleave(torch.arange(per_block.numel(), device=low.device), per_block.to(torch.int64))
-    return (block << _BLOCK_BITS) | low
-
-
 @dataclass(frozen=True)
 class SparseRound:
     """One sparse sync's plan and payload.
@@ -109,23 +83,6 @@ class SparseRound:
     def patched_share(self) -> float:
         """Of the diffed elements, the share sent as patches (not whole)."""
         return self.patched_elements / self.diffed_elements if self.diffed_elements else 1.0
-
-
-def encode_patch(patch: EnginePatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One patch as the bytes of its three segments, on the host: its changes per block (int32), the low 16 bits of
-    each changed index (int16), and the new values (in the patch's dtype). The gloo backend's patch round sends these;
-    `decode_patch` reads them back."""
-    low16, per_block = encode_indices(patch.indices, math.prod(patch.shape))
-    values = patch.values.to(patch.dtype)
-    return tuple(t.contiguous().view(torch.uint8).cpu() for t in (per_block, low16, values))  # type: ignore[return-value]
-
-
-def decode_patch(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, blocks: torch.Tensor, low16: torch.Tensor, values: torch.Tensor
-) -> EnginePatch:
-    """The patch `encode_patch` wrote, from its three segments' bytes."""
-    indices = decode_indices(low16.view(torch.int16), blocks.view(torch.int32))
-    return EnginePatch(name, shape, dtype, indices, values.view(dtype))
 
 
 @dataclass(frozen=True)

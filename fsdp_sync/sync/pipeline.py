@@ -28,7 +28,7 @@ from ..memory import MemoryMeter
 from ..peft_merge import PeftMerge
 from ..report import SyncReport
 from ..writers.base import BoundedWriter, EngineWriter, PatchWriter
-from .delta import DeltaPolicy, nbytes
+from .delta import DeltaPolicy
 from .plan import check_finite, make_plan
 from .push import Push
 from .select import Everything, SelectionPolicy
@@ -167,7 +167,6 @@ class WeightSync:
             self.resync()  # the engine may hold anything the failure left: the next sync is complete
             raise
         settled = self.policy.settle(payload)
-        selection, sparse = payload.selection, payload.sparse
         return SyncReport(
             seconds=seconds,
             bytes=run.bytes,
@@ -180,20 +179,7 @@ class WeightSync:
             verified=verified.checked if verified is not None else None,
             unverifiable=len(verified.unverifiable) if verified is not None else None,
             verify_seconds=verify_seconds,
-            complete=selection.complete,
-            skipped_tensors=len(selection.skipped),
-            skipped_bytes=nbytes(selection.skipped, self.writer.engine_dtype),
-            changed_skipped=len(selection.changed),
-            check_seconds=payload.check_seconds + settled.check_seconds,
-            sparse=sparse is not None,
-            patched_tensors=sparse.patched_tensors if sparse is not None else 0,
-            diffed_elements=sparse.diffed_elements if sparse is not None else 0,
-            changed_elements=sparse.changed_elements if sparse is not None else 0,
-            patched_elements=sparse.patched_elements if sparse is not None else 0,
-            patch_bytes=sparse.wire_bytes if sparse is not None else 0,
-            snapshot_bytes=self.policy.figures().get("snapshot_bytes", 0),
-            snapshot_seconds=settled.snapshot_seconds,
-            patch_seconds=payload.patch_seconds,
+            figures=self.policy.report(payload, settled),
         )
 
 
@@ -210,6 +196,7 @@ def policy_for(sync: WeightSync, uncast: frozenset[str]) -> SelectionPolicy:
             versions=push.versions,
             unchanged=push.unchanged,
             device=sync.meter.device,
+            engine_dtype=writer.engine_dtype,
         )
 
     match config.delta, config.sparse:

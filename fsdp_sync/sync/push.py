@@ -58,7 +58,7 @@ class _Writing:
         rounds.attempt("push", lambda: fault_point("write"))  # the push starts
         if rounds.failed:
             return EngineState("unchanged")
-        if payload.sparse is not None and not payload.whole:
+        if payload.patches is not None and not payload.whole:
             # Every tensor travels as patches: no stream is written (an empty reload would still touch every layer).
             try:
                 for _ in stream:
@@ -183,7 +183,7 @@ class Push:
         self.role.announce(payload.whole, rounds)
         run = self.stream.open(plan, rounds, select=payload.gather, copy=self.copy, digests=digests)
         stream: Iterator[tuple[str, torch.Tensor]] = iter(run)
-        if payload.sparse is not None:
+        if payload.patches is not None:
             stream = _only(stream, frozenset(t.name for t in payload.whole))
         engine: EngineState | None = None
         try:

@@ -22,9 +22,8 @@ from fsdp_sync.compat.engine_api import EngineLayout
 from fsdp_sync.compat.manifest import PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
 
-from .patches import SparseRound
-
 if TYPE_CHECKING:
+    from ..report import Figures
     from .stream import SyncPlan
 
 __all__ = ["Everything", "Payload", "Selection", "SelectionPolicy", "Settled"]
@@ -58,24 +57,24 @@ class Payload:
         whole: the tensors sent whole, in stream order.
         gather: trainer names the stream gathers (None: every one). With `verify` a sparse sync also gathers what it
             patches (for the digests), and sends only `whole`.
-        sparse: the sparse round whose patches are written after the whole tensors (None: no patches).
+        patches: the patches written after the whole tensors (None: no patch part; the stream then sends only
+            `whole` of what it gathers, and nothing at all when `whole` is empty).
         fresh: everything remembered from the engine was dropped before this sync (a new policy state, an engine
             that was restarted or replaced): `verify` compares nothing with what it saw before.
         check_seconds: the policy's own checks before the push (the delta fingerprints and their agreement).
-        patch_seconds: the sparse round before the push (diff, counts, patch collectives).
+        patch_seconds: the policy's work before the push that counts as sync time (a sparse round: the diff, the
+            counts, the patch collectives).
+        detail: the policy's own record of this choice, for its `settle` and `report` (no one else reads it).
     """
 
     selection: Selection
     whole: tuple[PlannedTensor, ...]
     gather: frozenset[str] | None
-    sparse: SparseRound | None = None
+    patches: tuple[EnginePatch, ...] | None = None
     fresh: bool = False
     check_seconds: float = 0.0
     patch_seconds: float = 0.0
-
-    @property
-    def patches(self) -> tuple[EnginePatch, ...]:
-        return self.sparse.patches if self.sparse is not None else ()
+    detail: Any = None
 
 
 @dataclass(frozen=True)
@@ -122,8 +121,8 @@ class SelectionPolicy(Protocol):
         complete (and dense)."""
         ...
 
-    def figures(self) -> dict[str, int]:
-        """What the policy holds, for the report (`SyncReport.snapshot_bytes`)."""
+    def report(self, payload: Payload, settled: Settled) -> tuple[Figures, ...]:
+        """This mode's figures of the sync that sent `payload` and settled as `settled` (`SyncReport.figures`)."""
         ...
 
 
@@ -147,5 +146,5 @@ class Everything:
     def forget(self) -> None:
         pass
 
-    def figures(self) -> dict[str, int]:
-        return {}
+    def report(self, payload: Payload, settled: Settled) -> tuple[Figures, ...]:
+        return ()

@@ -38,6 +38,7 @@ from ..kernels import runtime as kernels
 from ..kernels.extract import Extractor, Kind, kind_of
 from ..writers.base import PatchWriter
 from .delta import DeltaPolicy, DeltaTracker, EngineGroups
+from ..report import Figures, SparseFigures
 from .select import Payload, Selection, Settled
 from .stream import SyncPlan
 from .patches import (
@@ -498,7 +499,8 @@ class SparsePolicy:
             payload,
             whole=done.dense,
             gather=frozenset(s for t in sent for s in t.sources),
-            sparse=done,
+            patches=done.patches,
+            detail=done,
             patch_seconds=time.perf_counter() - started,
         )
 
@@ -533,8 +535,8 @@ class SparsePolicy:
         if tracker is None:
             return settled
         started = time.perf_counter()
-        if payload.sparse is not None:
-            tracker.settle(payload.sparse)
+        if isinstance(payload.detail, SparseRound):
+            tracker.settle(payload.detail)
         elif (self._retake and tracker.dense_left == 0) or (not tracker.ready and tracker.after_dense()):
             try:
                 tracker.take()
@@ -549,5 +551,18 @@ class SparsePolicy:
         if self.tracker is not None:
             self.tracker.forget()
 
-    def figures(self) -> dict[str, int]:
-        return {"snapshot_bytes": self.tracker.nbytes if self.tracker is not None else 0}
+    def report(self, payload: Payload, settled: Settled) -> tuple[Figures, ...]:
+        done = payload.detail if isinstance(payload.detail, SparseRound) else None
+        snapshot = self.tracker.nbytes if self.tracker is not None else 0
+        sparse = SparseFigures(
+            patched=done is not None,
+            patched_tensors=done.patched_tensors if done is not None else 0,
+            patched_elements=done.patched_elements if done is not None else 0,
+            diffed_elements=done.diffed_elements if done is not None else 0,
+            changed_elements=done.changed_elements if done is not None else 0,
+            patch_bytes=done.wire_bytes if done is not None else 0,
+            snapshot_bytes=snapshot,
+            snapshot_seconds=settled.snapshot_seconds,
+            patch_seconds=payload.patch_seconds,
+        )
+        return (*self.delta.report(payload, settled), sparse)

@@ -21,18 +21,12 @@ import torch
 
 from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 
+from ..digest import EMPTY_DIGEST, tensor_bytes
 from ..distributed import Coordinator, agreed
 from ..errors import EngineState, RankFailure, SyncError, VerifyError, agreed_error
 from ..faults import fault_point
 
 __all__ = ["EMPTY_DIGEST", "EngineDigests", "VerifyResult", "tensor_bytes", "verify_push"]
-
-EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A tensor's bytes as vLLM hashes them (`compute_tensor_digests`: host, contiguous, flat, as uint8)."""
-    return tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data
 
 
 @dataclass

@@ -19,7 +19,7 @@ Protocol (both sides compute the same chunking from the metadata, so nothing but
   either its previous or its new value, none undefined.
 - a sparse update (`counts` given, `SyncConfig(sparse=True)`): each announced tensor travels as three segments,
   its changes per block of 2^16 elements (int32), the low 16 bits of each changed index (int16) and the new values
-  (`fsdp_sync.sync.patches.encode_patch`, the codec of the trainer's own patch collectives), chunked and broadcast the
+  (`fsdp_sync.patch_codec.encode_patch`, the codec of the trainer's own patch collectives), chunked and broadcast the
   same way; the workers decode them (`decode_patch`) and write them in
   place through vLLM's `load_checkpoint_weight_patches` (`fsdp_sync.compat.patch_api`), outside the layer-wise reload,
   which a sparse update never starts. On vLLM-CPU the linear weights must have been kept unpacked from the start:
@@ -230,12 +230,15 @@ class GlooWorkerInitInfo(WeightTransferInitInfo):
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
     """One update: the tensors in stream order (vLLM dtype names: `"bfloat16"`, not `"torch.bfloat16"`); with
-    `counts`, a sparse update: each tensor's number of changed elements, sent as patches."""
+    `counts`, a sparse update: each tensor's number of changed elements, sent as patches; with `adapter`, a LoRA
+    adapter (`{"id", "name", "config"}`: the tensors are its `lora_A`/`lora_B` in PEFT names), built in the worker's
+    LoRA manager instead of written into the model."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     counts: list[int] | None = None
+    adapter: dict[str, Any] | None = None
     # None: received and written now; "receive": received into host memory and kept (staged); "apply": write what was
     # staged (its names, dtypes and shapes are empty).
     stage: str | None = None
@@ -253,7 +256,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
     def segment_sizes(self) -> list[int]:
         """A sparse update's segments in wire order, in bytes: per tensor its blocks, indices and values."""
-        from fsdp_sync.sync.patches import index_blocks
+        from fsdp_sync.patch_codec import index_blocks
 
         assert self.counts is not None
         sizes: list[int] = []
@@ -365,7 +368,7 @@ class _PatchRound:
     def receive(self, info: GlooUpdateInfo, received: Iterable[tuple[Chunk, torch.Tensor]] | None = None) -> None:
         """Receive one sparse update (or take the staged chunks, `received`) and write it in place."""
         from fsdp_sync.compat.patch_write import EnginePatcher
-        from fsdp_sync.sync.patches import decode_patch
+        from fsdp_sync.patch_codec import decode_patch
 
         model = self.engine.model
         started = time.perf_counter()
@@ -450,6 +453,35 @@ class _Staging:
         self.rounds = []
 
 
+class _AdapterRound:
+    """An adapter update on the worker: received whole, then built into a LoRA adapter and kept by name for the next
+    request that asks for it (`compat.lora_patches`); the model's weights are never touched."""
+
+    def __init__(self, engine: GlooWeightTransferEngine) -> None:
+        self.engine = engine
+
+    def receive(self, info: GlooUpdateInfo) -> None:
+        from fsdp_sync.compat.lora_api import Adapter
+        from fsdp_sync.compat.lora_patches import serve_in_memory_adapters, stash_adapter
+
+        assert info.adapter is not None
+        group = self.engine.joined()
+        dtypes = info.dtypes()
+        sizes = [_nbytes(d, s) for d, s in zip(dtypes, info.shapes)]
+        tensors: dict[str, torch.Tensor] = {}
+        for chunk in plan_chunks(sizes, self.engine.buffer_bytes):
+            buffer = torch.empty(chunk.nbytes + _TRAILER, dtype=torch.uint8)
+            _broadcast(group, buffer).wait()
+            if int(buffer[chunk.nbytes]) != _DATA:
+                raise UpdateAborted("the trainer aborted the adapter update")
+            for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
+                tensors[info.names[i]] = buffer[offset : offset + sizes[i]].view(dtypes[i]).view(info.shapes[i])
+        serve_in_memory_adapters()
+        adapter = info.adapter
+        stash_adapter(self.engine.model, Adapter(int(adapter["id"]), str(adapter["name"]), tensors, adapter["config"]))
+        logger.info("gloo weight transfer: adapter %s (%d tensors) received", adapter["name"], len(tensors))
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpdateInfo]):
     """Worker side (inside the vLLM server): joins the trainer's group and receives each update in the round the
     update announces: dense (`_DenseRound`) or sparse (`_PatchRound`)."""
@@ -467,6 +499,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         self._dense = _DenseRound(self)
         self._patches = _PatchRound(self)
         self._staging = _Staging(self)
+        self._adapter = _AdapterRound(self)
 
     def _worker_rank(self) -> int:
         # Unique across data-parallel replicas, as vLLM's NCCL backend numbers its workers.
@@ -508,6 +541,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         and the loads here are synchronous copies from host memory.
         """
         info = self.parse_update_info(update_info)
+        if info.adapter is not None:
+            self._adapter.receive(info)
+            return
         match info.stage:
             case None:
                 (self._patches if info.counts is not None else self._dense).receive(info)
@@ -742,7 +778,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def send_patches(self, patches: Sequence[EnginePatch]) -> int:
         """One sparse update: announce the patched tensors and their counts, broadcast the encoded patches (the
         chunks of `plan_chunks` over each tensor's three segments). Returns the bytes broadcast."""
-        from fsdp_sync.sync.patches import encode_patch
+        from fsdp_sync.patch_codec import encode_patch
 
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized (trainer_init failed or was not called).")
@@ -809,6 +845,29 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def abandon(self) -> None:
         """After a failed round: the server's session is closed by whoever opens the next (the writer)."""
         self._session = False
+    def send_adapter(self, tensors: Sequence[tuple[str, torch.Tensor]], adapter: dict[str, Any]) -> int:
+        """One adapter update: announce the adapter's tensors (PEFT names) and its id, name and config, broadcast the
+        tensors. Returns the bytes broadcast."""
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialized (trainer_init failed or was not called).")
+        meta = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+        update = GlooUpdateInfo(
+            names=[m.name for m in meta],
+            dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+            shapes=[list(m.shape) for m in meta],
+            adapter=adapter,
+        )
+        self.data_chunks = 0
+        self.client.start_weight_update()
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            answer = pool.submit(self.client.update_weights, asdict(update))
+            self._broadcast_stream(list(tensors), meta, answer)
+            _first_failure([answer], _left(self.timeout_s, self.deadline), "the server's answer to /update_weights")
+        finally:
+            pool.shutdown(wait=False)
+        self.client.finish_weight_update()
+        return sum(_nbytes(m.dtype, m.shape) for m in meta)
 
     def _abort(self, buffer: torch.Tensor, chunk: Chunk, in_flight: tuple[Any, torch.Tensor] | None) -> None:
         """Tell the workers this update ends here: the chunk they expect next, marked `_ABORT` (best effort: a

@@ -58,5 +58,12 @@ def register() -> None:
         return
     if skipped:
         logger.warning("fsdp-vllm-sync: weight-transfer backends not registered: %s", "; ".join(skipped))
+    try:
+        # Adapter syncs: a request for a pushed adapter's name is answered from what the transfer delivered.
+        from fsdp_sync.compat.lora_patches import register_resolver
+
+        register_resolver()
+    except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
+        logger.warning("fsdp-vllm-sync: adapter names not resolvable (%s: %s)", type(e).__name__, e)
     if registered:
         logger.debug("fsdp-vllm-sync: registered weight-transfer backends: %s", ", ".join(registered))

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from fsdp_sync.compat.engine_api import EngineLayout
+from fsdp_sync.compat.lora_api import Adapter, LoRALimits
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
 
@@ -115,4 +116,28 @@ class BoundedWriter(Protocol):
 
     def bound(self, deadline: float) -> None:
         """Every wait of the sync starting now ends by `deadline` (`time.monotonic()`)."""
+        ...
+
+
+@runtime_checkable
+class AdapterWriter(Protocol):
+    """A writer into an engine that serves LoRA adapters: an adapter sync pushes the adapter's tensors alone into
+    the engine's LoRA manager, in memory (`fsdp_sync.sync.adapter`), and leaves the engine's base as it was loaded."""
+
+    def lora_limits(self) -> LoRALimits | None:
+        """What the engine can serve as an adapter; None where it was started without LoRA."""
+        ...
+
+    def base_checkpoint(self) -> str:
+        """The checkpoint directory the engine loaded its base weights from (checked once against the trainer's
+        frozen base before the first adapter is written)."""
+        ...
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        """Build `adapter` in the engine from its tensors and make it the one generation asks for; the previous
+        version is unloaded."""
+        ...
+
+    def adapter_request(self) -> object | None:
+        """The `LoRARequest` of the adapter loaded last (None before the first)."""
         ...

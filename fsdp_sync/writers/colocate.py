@@ -28,6 +28,7 @@ from fsdp_sync.compat.engine_api import (
     split_worker_digests,
     wake_up_weights,
 )
+from fsdp_sync.compat.lora_api import Adapter, LoRALimits, adapter_request, engine_lora_limits, load_adapter
 from fsdp_sync.compat.load_probe import Landing, probe_loads, reload_gaps
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch, patch_loader, patch_refusals
@@ -36,7 +37,7 @@ from fsdp_sync.compat.reload_api import eager_reload_tensors, finalize_failed_re
 from fsdp_sync.compat.vllm_patches import quiet_partial_reload, refresh_tied_cpu_gemms
 
 from ..errors import EngineState, StreamInterrupted, SyncError
-from ..sync.verify import tensor_bytes
+from ..digest import tensor_bytes
 from ..versions import ColocateVersions
 
 __all__ = ["ColocateWriter", "EnginePushError"]
@@ -72,6 +73,23 @@ class ColocateWriter:
         self._checkpoint: EngineManifest | None = None
         self._landings: dict[str, Landing] | None = None
         self._versions = ColocateVersions(llm)
+        self._adapter: Adapter | None = None
+
+    # --- AdapterWriter: the adapter sync's capability (`fsdp_sync.sync.adapter`) ---
+
+    def lora_limits(self) -> LoRALimits | None:
+        return engine_lora_limits(self.handle.worker, self.handle.llm.llm_engine.vllm_config)
+
+    def base_checkpoint(self) -> str:
+        return self.checkpoint_dir
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        previous = self._adapter.adapter_id if self._adapter is not None else None
+        load_adapter(self.handle.worker, adapter, replace=previous if previous != adapter.adapter_id else None)
+        self._adapter = adapter
+
+    def adapter_request(self) -> object | None:
+        return adapter_request(self._adapter.adapter_id, self._adapter.name) if self._adapter is not None else None
 
     def _read(self) -> tuple[EngineManifest, dict[str, Landing]]:
         """The engine's checkpoint and where its model's loader puts each tensor (read and probed once: parameter

@@ -33,6 +33,7 @@ import torch
 
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
 from fsdp_sync.compat.engine_api import EngineLayout, engine_naming_for_architectures, split_worker_digests
+from fsdp_sync.compat.lora_api import Adapter, LoRALimits
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
 from fsdp_sync.compat.server_api import ServerInfo
@@ -309,6 +310,40 @@ class ServerWriter:
         # A sync began since the last staged round was sent: what a failed sync left staged is dropped first.
         self._new_sync = True
 
+    # --- AdapterWriter: adapter syncs (`fsdp_sync.sync.adapter`), over the transfer, into the server's LoRA manager ---
+
+    def lora_limits(self) -> LoRALimits | None:
+        """From the server's configuration (every rank has it); the target modules are checked by the server before
+        it keeps anything."""
+        rank = self.info.max_lora_rank
+        return LoRALimits(rank, None, None) if rank is not None else None
+
+    def base_checkpoint(self) -> str:
+        return self.checkpoint_dir
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        """Send the adapter's tensors over the transfer; the server builds it and serves it to the next request that
+        names it (`adapter.name`)."""
+        if self.backend != "gloo":
+            raise ServerConfigError(f"adapter syncs travel over the gloo backend; the server uses {self.backend!r}")
+        self._source = self._source or plan_source(())
+        try:
+            engine = self._begin_round()
+            self._round_open = True
+            engine.send_adapter(
+                list(adapter.tensors.items()),
+                {"id": adapter.adapter_id, "name": adapter.name, "config": dict(adapter.config)},
+            )
+            self._round_open = False
+        except Exception:
+            self._drop_transfer()  # set up again at the next sync
+            raise
+        self._adapter_name = adapter.name
+
+    def adapter_request(self) -> object | None:
+        """The name requests ask for the adapter by (TRL's client sends it as `model`)."""
+        return getattr(self, "_adapter_name", None)
+
     def manifest(self) -> EngineManifest:
         try:
             manifest = read_checkpoint_manifest(self.checkpoint_dir, engine_dtype=self.engine_dtype)
@@ -570,7 +605,7 @@ class ServerWriter:
     def patch_refusals(self) -> dict[str, str]:
         from fsdp_sync.transfer.plugin import SPARSE_ENV
 
-        from ..sync.verify import EMPTY_DIGEST
+        from ..digest import EMPTY_DIGEST
 
         refused: dict[str, str] = {}
         for key, digest in self._checksums().items():

@@ -1,6 +1,8 @@
-"""The import structure, read from the source (module-level imports, `TYPE_CHECKING` blocks included): no import
-circle anywhere in the package; `compat/` imports nothing of `fsdp_sync` but itself; the code that runs inside a vLLM
-server process (`fsdp_sync/transfer/`) imports no gatherer, no mixin and no TRL at module level."""
+"""The import structure, read from the source (every import: at module level, in `TYPE_CHECKING` blocks and inside
+functions): no import circle anywhere in the package; `compat/` imports nothing of `fsdp_sync` but itself; the code
+that runs inside a vLLM server process (`fsdp_sync/transfer/`) imports no gatherer, no mixin and no TRL; the writers
+and the transfer import nothing of the sync that drives them (`fsdp_sync/sync/`): what both ends share lives at the
+bottom (`fsdp_sync.patch_codec`, `fsdp_sync.digest`)."""
 
 from __future__ import annotations
 
@@ -22,15 +24,14 @@ def _modules() -> dict[str, Path]:
 def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
-        for n in node.body if isinstance(node, ast.If) else [node]:
-            if isinstance(n, ast.ImportFrom):
-                base = package.split(".")[: len(package.split(".")) - (n.level - 1)] if n.level else []
-                target = ".".join(base + ([n.module] if n.module else [])) if n.level else (n.module or "")
-                for alias in n.names:
-                    found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in known else target)
-            elif isinstance(n, ast.Import):
-                found.update(alias.name for alias in n.names)
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - (n.level - 1)] if n.level else []
+            target = ".".join(base + ([n.module] if n.module else [])) if n.level else (n.module or "")
+            for alias in n.names:
+                found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in known else target)
+        elif isinstance(n, ast.Import):
+            found.update(alias.name for alias in n.names)
     return found
 
 
@@ -72,3 +73,19 @@ def test_compat_imports_nothing_of_the_runtime_and_the_server_side_stays_apart()
         if name.startswith("fsdp_sync.transfer"):
             bad = {d for d in deps if d.startswith(("fsdp_sync.gather", "fsdp_sync.mixin", "trl"))}
             assert not bad, f"{name} imports {bad}"
+
+
+def test_the_imports_inside_functions_are_read() -> None:
+    """The reader sees an import made inside a function (the gloo backend imports the codec lazily)."""
+    known = _modules()
+    assert "fsdp_sync.patch_codec" in _imports("fsdp_sync.transfer.gloo", known["fsdp_sync.transfer.gloo"], known)
+
+
+def test_writers_and_transfer_import_nothing_of_the_sync() -> None:
+    """No arrow runs back up from the engine side to the sync that drives it."""
+    bad = {
+        name: sorted(d for d in deps if d.startswith("fsdp_sync.sync"))
+        for name, deps in _graph().items()
+        if name.startswith(("fsdp_sync.writers", "fsdp_sync.transfer"))
+    }
+    assert not {k: v for k, v in bad.items() if v}, bad

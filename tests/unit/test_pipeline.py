@@ -711,3 +711,25 @@ def test_engine_digests_accept_a_16_bit_bias_the_engine_widened_to_float32_and_n
     wrong[5] += 1
     bad = digests.compare([{f"{prefix}.qkv_proj.bias": sha(wrong), f"{prefix}.o_proj.weight": sha(w.float())}])
     assert bad.mismatched == [f"{prefix}.o_proj.weight", f"{prefix}.qkv_proj.bias"]
+
+
+def test_report_figures_typed_per_mode_read_as_attributes_with_defaults() -> None:
+    """A mode's figures read as attributes of the report; a mode that did not run reads at its defaults; `as_dict`
+    holds every mode's figures flat."""
+    from fsdp_sync.report import AdapterFigures, DeltaFigures, SparseFigures
+
+    delta = DeltaFigures(complete=False, skipped_tensors=3, skipped_bytes=12, changed_skipped=1, check_seconds=0.5)
+    report = SyncReport(1.0, 10, 1, 0, "accounted", "plain", "plain", "fake", figures=(delta,))
+    assert (report.complete, report.skipped_tensors, report.skipped_bytes) == (False, 3, 12)
+    assert not report.sparse and report.patch_bytes == 0 and report.adapter_id == 0
+    assert "delta: 3 tensors" in report.summary()
+    sparse = SparseFigures(patched=True, patched_tensors=2, diffed_elements=10, changed_elements=5, patch_bytes=2e9)
+    both = SyncReport(1.0, 10, 1, 0, "accounted", "plain", "plain", "fake", figures=(delta, sparse))
+    assert both.sparse and both.changed_fraction == 0.5 and both.metrics()["weight_sync/patch_gbytes"] == 2.0
+    record = both.as_dict()
+    assert record["skipped_tensors"] == 3 and record["patched_tensors"] == 2 and record["adapter_tensors"] == 0
+    assert "figures" not in record
+    adapter = SyncReport(1.0, 10, 4, 0, "accounted", "plain", "plain", "fake", figures=(AdapterFigures(7, 4),))
+    assert adapter.adapter_id == 7 and adapter.complete and adapter.metrics()["weight_sync/adapter_id"] == 7.0
+    with pytest.raises(AttributeError):
+        report.no_such_figure  # noqa: B018

@@ -1,0 +1,385 @@
+"""Adapter syncs (`SyncConfig.adapter`): push only a LoRA adapter's tensors into the engine's LoRA manager, in memory;
+the engine keeps the base it loaded from its own checkpoint.
+
+Why its own sync, not a selection policy of `WeightSync`: nothing of the merged path applies. There is no engine
+manifest to plan against (the engine's weights are never written), no gather of FSDP units (each rank hands over its
+own part of each `lora_A`/`lora_B` and the parts are exchanged in two collectives: no base parameter is ever
+unsharded), and the engine's writer is its LoRA manager. What it shares with `WeightSync` is the contract: `sync()`
+on every rank, one `SyncReport`, a failure on any rank raised on every rank (`distributed.agreed`), `resync()`.
+
+Steps:
+1. plan, once: the adapter's weights by trainer name, their PEFT checkpoint names, its config; what the engine
+   cannot serve is refused before anything is written (`adapter_refusal`).
+2. the base, once: every rank compares its own shards of the frozen base with the engine's checkpoint (sha256 of
+   the same elements on both sides, no gather); a different base is an error before anything is written.
+3. every sync: this rank's pieces of the adapter (`Gatherer.local_pieces`), exchanged (`gather_pieces`), built into
+   the engine under a new id (`AdapterWriter.load_adapter`); the previous version is unloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_sync.compat.lora_api import Adapter, adapter_refusals, adapter_tensor_name, peft_adapter_config
+from fsdp_sync.compat.names import Dropped, NameRules, canonical_name, unwrapped_name
+
+from ..config import SyncConfig
+from ..distributed import Coordinator, agreed, world_size
+from ..errors import EngineState, RankFailure, SyncError, UnsupportedSetupError, agreed_error
+from ..gather.base import Gatherer, Piece
+from ..report import AdapterFigures, SyncReport
+from ..writers.base import AdapterWriter, EngineWriter
+
+__all__ = ["AdapterPlan", "AdapterSync", "adapter_plan", "adapter_refusal", "gather_pieces"]
+
+logger = logging.getLogger(__name__)
+
+FALLBACK = "use merged syncs instead: SyncConfig(adapter=False), which merge the adapter into the base and push both"
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    """What an adapter sync sends, the same on every rank.
+
+    Attributes:
+        names: trainer names of the adapter's weights (`lora_A`, `lora_B`), in the gatherer's order.
+        checkpoint: trainer name -> PEFT checkpoint name (what vLLM parses).
+        base: trainer name -> checkpoint name of every other parameter (the frozen base).
+        config: PEFT's adapter config as a dict.
+        adapter_name: the adapter's name in the PEFT model.
+    """
+
+    names: tuple[str, ...]
+    checkpoint: dict[str, str]
+    base: dict[str, str]
+    config: dict[str, Any]
+    adapter_name: str
+
+
+def adapter_plan(model: torch.nn.Module, gatherer: Gatherer, rules: NameRules) -> AdapterPlan:
+    """The adapter plan of a PEFT model (as the user built it) and its gatherer; ValueError for what is not one
+    servable LoRA adapter on a frozen base (every reason at once)."""
+    adapter_name, config = peft_adapter_config(model)
+    specs = gatherer.specs()
+    trainable = gatherer.trainable()
+    checkpoint: dict[str, str] = {}
+    base: dict[str, str] = {}
+    other_adapters: list[str] = []
+    for name in specs:
+        unwrapped = unwrapped_name(name, rules)
+        target = adapter_tensor_name(unwrapped, adapter_name)
+        if target is not None:
+            checkpoint[name] = target
+            continue
+        mapped = canonical_name(name, rules)
+        if isinstance(mapped, Dropped):
+            other_adapters.append(name)  # DoRA magnitudes, embedding adapters, another adapter's weights
+        else:
+            base[name] = mapped
+    reasons = []
+    if other_adapters:
+        reasons.append(f"adapter weights other than lora_A/lora_B: {_few(other_adapters)}")
+    moving = sorted(n for n in base if n in trainable)
+    if moving:
+        reasons.append(f"trainable parameters outside the adapter (the engine's base would go stale): {_few(moving)}")
+    if not checkpoint:
+        reasons.append("the model has no lora_A/lora_B weights")
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    return AdapterPlan(tuple(checkpoint), checkpoint, base, config, adapter_name)
+
+
+def adapter_refusal(
+    model: torch.nn.Module, gatherer: Gatherer, rules: NameRules, writer: EngineWriter
+) -> str | None:
+    """Why this model's adapter cannot be pushed as an adapter into `writer`'s engine (None: it can)."""
+    if not rules.peft:
+        return "the model has no PEFT adapter"
+    if not isinstance(writer, AdapterWriter):
+        return f"the {writer.kind} writer does not load adapters"
+    # NOTE: on every rank (a server's configuration is known to all), so that every rank decides alike.
+    limits = writer.lora_limits()
+    if limits is None:
+        return "the vLLM engine was started without LoRA (enable_lora=True; a server: --enable-lora)"
+    try:
+        _, config = peft_adapter_config(model)
+    except ValueError as e:
+        return str(e)
+    reasons: list[str] = []
+    targeted: set[str] = set()
+    try:
+        plan = adapter_plan(model, gatherer, rules)
+        targeted = {name.split(".")[-3] for name in plan.checkpoint.values()}
+    except ValueError as e:
+        reasons.append(str(e))
+    reasons = adapter_refusals(config, limits, targeted) + reasons
+    return "; ".join(reasons) if reasons else None
+
+
+def _few(names: Sequence[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def gather_pieces(
+    names: Sequence[str],
+    pieces: Iterable[Piece],
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    *,
+    receive: bool,
+) -> dict[str, torch.Tensor]:
+    """The full (flat) tensors of `names` from every rank's disjoint pieces: three all-gathers per dtype (sizes, the
+    pieces' places, their values), whatever the number of tensors. Every rank must call it with the same `names`,
+    `numels` and `dtypes` (metadata every rank has).
+
+    Args:
+        receive: this rank keeps the full tensors (else it returns {} after its part of the collectives).
+
+    Raises:
+        RuntimeError: the ranks' pieces do not cover a tensor exactly once (a gatherer defect).
+    """
+    index = {name: i for i, name in enumerate(names)}
+    mine = sorted(((index[p.name], p) for p in pieces if p.values.numel()), key=lambda item: item[0])
+    full: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}
+    for dtype in sorted(set(dtypes), key=str):
+        chosen = [(i, p) for i, p in mine if dtypes[i] == dtype]
+        device = chosen[0][1].values.device if chosen else torch.device("cpu")
+        places = torch.tensor([[i, p.start, p.values.numel()] for i, p in chosen], dtype=torch.int64).reshape(-1, 3)
+        values = torch.cat([p.values.reshape(-1).to(dtype) for _, p in chosen]) if chosen else torch.empty(0, dtype=dtype)
+        all_places, all_values = _exchange(places.to(device), values.to(device))
+        if not receive:
+            continue
+        for rank_places, rank_values in zip(all_places, all_values, strict=True):
+            at = 0
+            for i, start, n in rank_places.tolist():
+                name = names[i]
+                out = full.get(name)
+                if out is None:
+                    out = full[name] = torch.empty(numels[i], dtype=dtype, device=rank_values.device)
+                out[start : start + n] = rank_values[at : at + n]
+                filled[name] = filled.get(name, 0) + n
+                at += n
+    if receive:
+        wrong = [n for i, n in enumerate(names) if filled.get(n, 0) != numels[i]]
+        if wrong:
+            raise RuntimeError(f"the ranks' pieces do not cover these adapter weights exactly once: {_few(wrong)}")
+    return full
+
+
+def _exchange(places: torch.Tensor, values: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's (places, values), padded to the longest for one all-gather each."""
+    world = world_size()
+    if world == 1:
+        return [places], [values]
+    device = values.device
+    sizes = torch.tensor([places.shape[0], values.numel()], dtype=torch.int64, device=device)
+    all_sizes = torch.empty(world * 2, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(all_sizes, sizes)
+    rows, lengths = all_sizes.view(world, 2).t().tolist()
+    most = max(max(rows), 1)
+    padded_places = places.new_full((most, 3), -1)
+    padded_places[: places.shape[0]] = places
+    out_places = torch.empty(world * most * 3, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out_places, padded_places.reshape(-1))
+    longest = max(max(lengths), 1)
+    padded = values.new_zeros(longest)
+    padded[: values.numel()] = values
+    out_values = values.new_empty(world * longest)
+    dist.all_gather_into_tensor(out_values, padded)
+    place_rows = out_places.view(world, most, 3).cpu()
+    return (
+        [place_rows[r, : rows[r]] for r in range(world)],
+        [out_values[r * longest : r * longest + lengths[r]] for r in range(world)],
+    )
+
+
+def base_mismatches(plan: AdapterPlan, pieces: Iterable[Piece], checkpoint_dir: str) -> list[str]:
+    """This rank's frozen-base pieces against the same elements of the engine's checkpoint, by sha256 (local work:
+    each rank reads only the tensors it holds part of, and only its elements are compared)."""
+    files = _checkpoint_files(checkpoint_dir)
+    problems: list[str] = []
+    from safetensors import safe_open
+
+    handles: dict[Path, Any] = {}
+    for piece in pieces:
+        n = piece.values.numel()
+        if not n:
+            continue
+        target = plan.base[piece.name]
+        path = files.get(target)
+        if path is None:
+            problems.append(f"{target}: not in the engine's checkpoint")
+            continue
+        handle = handles.get(path) or handles.setdefault(path, safe_open(str(path), framework="pt"))
+        stored = handle.get_tensor(target).reshape(-1)[piece.start : piece.start + n].to(piece.values.dtype)
+        if _digest(stored) != _digest(piece.values):
+            problems.append(f"{target}: differs from the trainer's frozen base")
+    return problems
+
+
+def _checkpoint_files(checkpoint_dir: str) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    files: dict[str, Path] = {}
+    for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            files.update(dict.fromkeys(handle.keys(), path))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in the engine's checkpoint {checkpoint_dir}")
+    return files
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data).hexdigest()
+
+
+class AdapterSync:
+    """Pushes the trainer's LoRA adapter into the engine on each `sync()`; every rank calls it.
+
+    Args:
+        model: the PEFT model as the user built it (its adapter config).
+        gatherer: this trainer's gatherer (only its metadata and `local_pieces` are used: nothing is unsharded).
+        writer: an `AdapterWriter` (or, on a rank that writes into no engine, any writer with `pushes` False).
+        config: the sync's options (`sync_timeout_s`).
+        rules: the model's name rules.
+        backend: the detected backend's name, for reports.
+        name_prefix: adapter names in the engine are `<prefix>-v<N>`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        gatherer: Gatherer,
+        writer: EngineWriter,
+        config: SyncConfig,
+        *,
+        rules: NameRules,
+        backend: str = "",
+        name_prefix: str = "fsdp-vllm-sync",
+    ) -> None:
+        self.model = model
+        self.gatherer = gatherer
+        self.writer = writer
+        self.config = config
+        self.rules = rules
+        self.backend = backend
+        self.name_prefix = name_prefix
+        self.coordinator = Coordinator(config.sync_timeout_s)
+        self.version = 0
+        self._plan: AdapterPlan | None = None
+        self._base_seconds = 0.0
+
+    @property
+    def checked_plan(self) -> AdapterPlan | None:
+        """The plan once its base was checked (first sync), else None."""
+        return self._plan
+
+    def resync(self) -> None:
+        """Nothing to forget: every adapter sync sends the whole adapter."""
+
+    def adapter_request(self) -> object | None:
+        """The `LoRARequest` generation must pass for the adapter loaded last (None before the first sync, and on a
+        rank without an engine)."""
+        return self.writer.adapter_request() if isinstance(self.writer, AdapterWriter) and self.writer.pushes else None
+
+    def _unchanged(self) -> EngineState | None:
+        return EngineState("unchanged") if self.writer.pushes else None
+
+    def _failed(self, e: Exception | None, failures: list[RankFailure]) -> SyncError:
+        return agreed_error(e, failures, self._unchanged())
+
+    def plan(self) -> AdapterPlan:
+        """The plan, checked once on every rank: servable, and the engine's checkpoint holds the trainer's base.
+
+        Raises:
+            UnsupportedSetupError: on every rank, before anything is written, naming the reason and the fallback.
+        """
+        if self._plan is None:
+            started = time.perf_counter()
+            plan = agreed(self.coordinator, "adapter.plan", self._make_plan, self._failed)
+            self._base_seconds = time.perf_counter() - started
+            self._plan = plan
+        return self._plan
+
+    def _make_plan(self) -> AdapterPlan:
+        refusal = adapter_refusal(self.model, self.gatherer, self.rules, self.writer)
+        if refusal is not None:
+            raise UnsupportedSetupError(f"This adapter cannot be pushed as an adapter: {refusal}; {FALLBACK}.")
+        plan = adapter_plan(self.model, self.gatherer, self.rules)
+        if isinstance(self.writer, AdapterWriter):
+            mismatched = base_mismatches(plan, self.gatherer.local_pieces(plan.base), self.writer.base_checkpoint())
+            if mismatched:
+                raise UnsupportedSetupError(
+                    f"The engine's base is not the trainer's frozen base ({len(mismatched)} tensor(s): "
+                    f"{_few(mismatched)}); an adapter pushed onto it would be served on other weights. Start the "
+                    f"engine from the trainer's base checkpoint, or {FALLBACK}. Nothing was written."
+                )
+        return plan
+
+    def sync(self) -> SyncReport:
+        """Push the adapter's current tensors as a new adapter version; every rank must call it.
+
+        Raises:
+            SyncError: on every rank when any rank failed (the engine keeps the previous adapter where the failure
+                came before the load).
+        """
+        self.coordinator.reopen()
+        first = self._plan is None
+        plan = self.plan()
+        start = time.perf_counter()
+        specs = self.gatherer.specs()
+        pieces = agreed(
+            self.coordinator, "adapter.pieces", lambda: list(self.gatherer.local_pieces(plan.names)), self._failed
+        )
+        numels = [math.prod(specs[n].shape) for n in plan.names]
+        dtypes = [specs[n].dtype for n in plan.names]
+        full = gather_pieces(plan.names, pieces, numels, dtypes, receive=self.writer.pushes)
+        version = self.version + 1
+        adapter: Adapter | None = None
+        error: Exception | None = None
+        if self.writer.pushes:
+            try:
+                adapter = Adapter(
+                    version,
+                    f"{self.name_prefix}-v{version}",
+                    {plan.checkpoint[n]: full[n].view(specs[n].shape) for n in plan.names},
+                    plan.config,
+                )
+                self.writer.load_adapter(adapter)  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
+                error = e
+        failures = self.coordinator.agree_on("push", error)
+        if failures:
+            state = EngineState("undefined") if error is not None else self._unchanged()
+            raise agreed_error(error, failures, state)
+        self.version = version
+        seconds = time.perf_counter() - start
+        sent = sum(t.numel() * t.element_size() for t in adapter.tensors.values()) if adapter is not None else 0
+        return SyncReport(
+            seconds=seconds,
+            bytes=sent,
+            tensors=len(plan.names),
+            peak_extra_bytes=sum(math.prod(specs[n].shape) * specs[n].dtype.itemsize for n in plan.names),
+            memory_source="accounted",
+            backend=self.backend,
+            strategy="adapter-pieces",
+            writer=self.writer.kind,
+            figures=(
+                AdapterFigures(
+                    adapter_id=version,
+                    adapter_tensors=len(plan.names),
+                    base_checked_seconds=self._base_seconds if first else 0.0,
+                ),
+            ),
+        )

@@ -1,0 +1,200 @@
+"""Adapter syncs (`fsdp_sync.sync.adapter`) on real sharded models, 2 gloo ranks, FSDP1 and FSDP2 (LoRA inside the
+decoder-layer units, so each adapter shares its FSDP unit with its base weights): the pushed adapter equals the
+trainer's full `lora_A`/`lora_B` bit for bit, no FSDP unit is unsharded during the sync (FSDP's own unshard is never
+called, and the all-gathers move no more than the adapter), a new id per version; a base that differs from the
+engine's checkpoint and an adapter vLLM cannot serve are refused on every rank before anything is written.
+
+The engine is not the subject here (a recording writer); tests/e2e/test_adapters.py runs the real one."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_sync.assemble import build_sync
+from fsdp_sync.compat.lora_api import Adapter, LoRALimits
+from fsdp_sync.config import SyncConfig
+from fsdp_sync._demo.dist import run_distributed
+
+from .models import tiny_lm, train_step
+
+LIMITS = LoRALimits(8, frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}), torch.float32)
+
+
+class RecordingAdapterWriter:
+    """Keeps every adapter it is given (an `AdapterWriter`)."""
+
+    kind = "record"
+    pushes = True
+    engine_per_rank = True
+    retains_tensors = False
+    engine_dtype = torch.float32
+
+    def __init__(self, checkpoint: str) -> None:
+        self.checkpoint = checkpoint
+        self.adapters: list[Adapter] = []
+
+    def lora_limits(self) -> LoRALimits:
+        return LIMITS
+
+    def base_checkpoint(self) -> str:
+        return self.checkpoint
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        self.adapters.append(Adapter(adapter.adapter_id, adapter.name, {k: v.clone() for k, v in adapter.tensors.items()}, adapter.config))
+
+    def adapter_request(self) -> object | None:
+        return self.adapters[-1].name if self.adapters else None
+
+
+def _full_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainer's adapter by PEFT checkpoint name, taken independently of the sync (full state dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k.replace(".default", ""): v.detach().cpu().clone() for k, v in state.items() if ".lora_" in k}
+
+
+class _Counter:
+    def __init__(self) -> None:
+        from torch.distributed.fsdp._flat_param import FlatParamHandle
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        self.unshards = 0
+        self.gathered = 0
+        for owner in (FlatParamHandle, FSDPParamGroup):
+            original = owner.unshard
+
+            def counted(*args: object, _original: object = original, **kwargs: object) -> object:
+                self.unshards += 1
+                return _original(*args, **kwargs)  # type: ignore[operator]
+
+            owner.unshard = counted  # type: ignore[method-assign]
+        original_gather = dist.all_gather_into_tensor
+
+        def gather(output: torch.Tensor, *args: object, **kwargs: object) -> object:
+            self.gathered += output.numel()
+            return original_gather(output, *args, **kwargs)
+
+        dist.all_gather_into_tensor = gather
+
+
+def _peft(seed: int = 0, **lora: object) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_lm(seed), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **lora))
+    torch.manual_seed(1)
+    with torch.no_grad():  # a non-zero adapter
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    return model
+
+
+def wrap(model: torch.nn.Module, backend: str, world_size: int) -> torch.nn.Module:
+    """A PEFT model sharded per decoder layer (the adapters inside their layer's unit), then at the root."""
+    layers = model.get_base_model().model.layers
+    if backend == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        policy = ModuleWrapPolicy({type(layers[0])})
+        return FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _save_base(directory: str, seed: int) -> None:
+    if dist.get_rank() == 0:
+        tiny_lm(seed).save_pretrained(directory)
+    dist.barrier()
+
+
+def adapter_scenario(rank: int, world_size: int, backend: str, directory: str) -> dict[str, object]:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from fsdp_sync.sync.adapter import AdapterSync
+
+    _save_base(directory, seed=0)
+    wrapped = wrap(_peft(), backend, world_size)
+    wrapper_ok = isinstance(wrapped, FSDP if backend == "fsdp1" else FSDPModule)
+    writer = RecordingAdapterWriter(directory)
+    sync = build_sync(wrapped, writer, SyncConfig(adapter=True), device=torch.device("cpu"))
+    expected = _full_adapter(wrapped)
+    adapter_numel = sum(t.numel() for t in expected.values())
+    counter = _Counter()
+    first_report = sync.sync()
+    in_first = (counter.unshards, counter.gathered)
+    optimizer = torch.optim.SGD([p for p in wrapped.parameters() if p.requires_grad], lr=0.5)
+    train_step(wrapped, optimizer)
+    trained = _full_adapter(wrapped)
+    counter.unshards = counter.gathered = 0
+    second_report = sync.sync()
+    in_second = (counter.unshards, counter.gathered)
+    first, second = writer.adapters
+    return {
+        "wrapper_ok": wrapper_ok,
+        "is_adapter_sync": isinstance(sync, AdapterSync),
+        "ids": [first.adapter_id, second.adapter_id],
+        "names": sorted(first.tensors) == sorted(expected),
+        "first_equal": all(torch.equal(first.tensors[k], expected[k]) for k in expected),
+        "second_equal": all(torch.equal(second.tensors[k], trained[k]) for k in trained),
+        "changed": any(not torch.equal(trained[k], expected[k]) for k in expected),
+        "unshards": [in_first[0], in_second[0]],
+        "gathered": [in_first[1], in_second[1]],
+        "adapter_numel": adapter_numel,
+        "bytes": first_report.bytes,
+        "figures": [first_report.adapter_id, second_report.adapter_id, second_report.adapter_tensors],
+    }
+
+
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+def test_adapter_sync_pushes_the_full_adapter_and_unshards_nothing(backend: str, tmp_path: Path) -> None:
+    for r in run_distributed(adapter_scenario, backend, str(tmp_path)):
+        assert r["wrapper_ok"] and r["is_adapter_sync"]
+        assert r["names"] and r["first_equal"] and r["second_equal"] and r["changed"]
+        assert r["ids"] == [1, 2] and r["figures"] == [1, 2, 8]
+        assert r["unshards"] == [0, 0], "an FSDP unit was unsharded during an adapter sync"
+        # What each rank received: every rank's share of the adapter padded to the longest share (at most the whole
+        # adapter per rank), and a few int64 of sizes and places per tensor; the base is 100x larger.
+        for gathered in r["gathered"]:
+            assert 0 < gathered <= 2 * (r["adapter_numel"] + 3 * 8 + 2), gathered
+        assert r["bytes"] == r["adapter_numel"] * 4
+
+
+def refusal_scenario(rank: int, world_size: int, backend: str, directory: str, case: str) -> dict[str, object]:
+    from fsdp_sync.errors import UnsupportedSetupError
+
+    _save_base(directory, seed=7 if case == "other-base" else 0)
+    model = _peft(use_dora=True) if case == "dora" else _peft()
+    wrapped = wrap(model, backend, world_size)
+    writer = RecordingAdapterWriter(directory)
+    try:
+        sync = build_sync(wrapped, writer, SyncConfig(adapter=True), device=torch.device("cpu"))
+        sync.sync()
+    except UnsupportedSetupError as e:
+        return {"error": str(e), "written": len(writer.adapters)}
+    return {"error": None, "written": len(writer.adapters)}
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [("other-base", "The engine's base is not the trainer's frozen base"), ("dora", "DoRA")],
+)
+def test_what_cannot_be_pushed_as_an_adapter_is_refused_on_every_rank_before_any_write(
+    case: str, says: str, tmp_path: Path
+) -> None:
+    for r in run_distributed(refusal_scenario, "fsdp2", str(tmp_path), case):
+        assert r["error"] is not None and says in r["error"], r["error"]
+        assert "SyncConfig(adapter=False)" in r["error"]
+        assert r["written"] == 0

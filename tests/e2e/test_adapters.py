@@ -1,0 +1,112 @@
+"""Adapter syncs on the real stack (TRL GRPOTrainer/RLOOTrainer + mixin with `SyncConfig(adapter=True)`, the
+in-process vLLM CPU engine started with LoRA, 2 gloo ranks, real FSDP1/FSDP2): each sync pushes only `lora_A`/`lora_B`
+into the engine's LoRA manager, in memory, under a new id.
+
+After every sync, on every rank (`fsdp_sync._demo.grpo_job.AdapterChecker`): the adapter read back from the engine's
+LoRA manager equals the trainer's full adapter bit for bit (`lora_B` with the scaling folded in, as vLLM keeps it);
+only that version is loaded; the engine's logprobs, served on the adapter through TRL's own generate calls, equal
+those of PEFT's merge of the trainer's weights within the tolerance of the merged checks, and move away from the
+previous adapter's once training changed it; FSDP's own unshard never ran during a sync (no base parameter was
+unsharded) and the sync's all-gathers moved the adapter and a few sizes only.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_sync.distributed import free_port
+from fsdp_sync._demo.vllm_server import VLLMServerProcess
+
+from .helpers import WRAPPER_FLAG, run_grpo
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 3
+# q_proj and v_proj of 2 layers, r=4 (hidden 128, one 64-wide KV head): the adapter's elements.
+ADAPTER_NUMEL = 2 * (4 * 128 + 128 * 4 + 4 * 128 + 64 * 4)
+
+
+def _moved(before: list[dict], after: list[dict]) -> float:
+    """The largest logprob change over the tokens both syncs' top-5 hold."""
+    return max(abs(a[t] - b[t]) for a, b in zip(after, before, strict=True) for t in a if t in b)
+
+
+def _check(result, backend: str, *, colocated: bool) -> None:
+    assert result.returncode == 0, result.log[-6000:]
+    assert len(result.ranks) == 2
+    for r in result.ranks:
+        assert r["error"] is None, r["error"]
+        assert r["global_step"] == STEPS
+        assert r["wrapper"][WRAPPER_FLAG[backend]], r["wrapper"]
+        checks, reports = r["checks"], r["reports"]
+        assert len(checks) == len(reports) >= STEPS
+        for i, (check, report) in enumerate(zip(checks, reports, strict=True)):
+            assert check["wrapper"][WRAPPER_FLAG[backend]]
+            assert check["adapter_id"] == report["adapter_id"] == i + 1
+            assert len(check["loaded"]) == 1, "the previous adapter must be unloaded"
+            if colocated:
+                assert check["loaded"] == [i + 1]
+            assert check["compared"] == 8 and check["adapter_problems"] == [], check["adapter_problems"]
+            assert check["logits_problems"] == [], check["logits_problems"]
+            assert report["tensors"] == 8
+            # colocated: every rank loads the adapter; server mode: rank 0 sends it, rank 1 only gathers
+            assert report["bytes"] == (ADAPTER_NUMEL * 4 if colocated or r["rank"] == 0 else 0)
+            assert r["in_sync"][i]["unshards"] == 0, "FSDP unsharded a unit during an adapter sync"
+            # every rank's share padded to the longest (at most the adapter per rank), and a few sizes and places
+            assert 0 < r["in_sync"][i]["gathered_elements"] <= 2 * (ADAPTER_NUMEL + 3 * 8 + 2)
+        # lora_B starts at zero: the first adapter serves the base; training moves it, and the engine with it.
+        assert checks[0]["lora_delta"] == 0.0 and checks[-1]["lora_delta"] > 0
+        for before, after in zip(checks, checks[1:]):
+            if after["lora_delta"] != before["lora_delta"]:
+                assert _moved(before["engine_logprobs"], after["engine_logprobs"]) > 1e-3
+        assert any("weight_sync/adapter_id" in h for h in r["logged"])
+
+
+@pytest.mark.parametrize(
+    ("backend", "trainer"), [("fsdp1", "grpo"), ("fsdp2", "grpo"), ("fsdp2", "rloo")]
+)
+def test_adapter_syncs_are_exact_in_the_lora_manager_and_served(
+    backend: str, trainer: str, checkpoints, tmp_path
+) -> None:
+    result = run_grpo(
+        checkpoints("qwen2"),
+        tmp_path,
+        backend,
+        "--peft",
+        "--adapter",
+        "--trainer",
+        trainer,
+        "--perturb",
+        "0",  # the engine's checkpoint is the trainer's base (checked by digest at the first sync)
+        "--steps",
+        str(STEPS),
+    )
+    _check(result, backend, colocated=True)
+
+
+# NOTE: FSDP2 only in CI (FSDP1 passed here too, 131 s with the server's start): the trainer side of an adapter sync
+# is the same in both modes, and FSDP1 runs colocated above; CI's time budget is tight.
+@pytest.mark.parametrize("backend", ["fsdp2"])
+def test_adapter_syncs_into_a_server_over_the_transfer(
+    backend: str, lora_server: VLLMServerProcess, checkpoints, tmp_path
+) -> None:
+    """Server mode: rank 0 sends the adapter over the gloo transfer (no shared disk); the server's plugin builds it
+    in its LoRA manager and serves it to the next request naming it (TRL's client asks by the adapter's name)."""
+    result = run_grpo(
+        checkpoints("qwen2"),
+        tmp_path,
+        backend,
+        "--peft",
+        "--adapter",
+        "--perturb",
+        "0",
+        "--steps",
+        str(STEPS),
+        "--vllm-mode",
+        "server",
+        "--server-url",
+        lora_server.base_url,
+        "--group-port",
+        str(free_port()),
+    )
+    _check(result, backend, colocated=False)
