@@ -9,6 +9,7 @@ Everything else about the trainer is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,7 @@ class FSDPVLLMSyncMixin:
         is_async = is_async_trainer(type(self))
         if is_async:
             kwargs = self._fvs_async_kwargs(bound, kwargs)
+            config = _merged_for_async(config)
         self._fvs_server_address: ServerAddress | None = server_address(
             trainer_args, always_server=is_async, group_port=config.group_port
         )
@@ -341,6 +343,28 @@ class FSDPVLLMSyncMixin:
             return generate(*args, **kwargs)
 
         owner.generate = generate_from_current_weights
+
+
+def _merged_for_async(config: SyncConfig) -> SyncConfig:
+    """TRL's async trainer syncs a LoRA model merged (`SyncConfig(adapter=False)`).
+
+    Why: its rollout worker, a process of its own, names the model of every request itself (the base model, or
+    `<its adapter name>-v<model_version>` only when TRL chose its own adapter-files sync), and keeps requests of older
+    versions in flight while a new one is loaded; a pushed adapter would be loaded beside requests that go on asking
+    for the base, or unloaded under requests still running on it. Merged weights reach every request.
+
+    Raises:
+        UnsupportedSetupError: `SyncConfig(adapter=True)` (says why, and the fallback).
+    """
+    if config.adapter:
+        raise UnsupportedSetupError(
+            "SyncConfig(adapter=True) with TRL's AsyncGRPOTrainer: its rollout worker names the model of every request "
+            "itself and keeps older versions in flight, so a pushed adapter would not be what it generates from. "
+            "Use SyncConfig(adapter=False) (merged syncs; the default for this trainer)."
+        )
+    if config.adapter is None:
+        logger.info("fsdp-vllm-sync: TRL's AsyncGRPOTrainer syncs LoRA models merged (SyncConfig(adapter=False))")
+    return dataclasses.replace(config, adapter=False)
 
 
 def _engine_for_adapters(config: SyncConfig, peft_config: Any) -> Any:

@@ -427,3 +427,13 @@ def test_gpt_oss_over_nccl_is_refused_only_where_the_server_lacks_the_fix(monkey
     else:
         assert set(refused) == {"model.layers.0.self_attn.sinks"}
         assert "install fsdp-vllm-sync in the server's environment" in refused["model.layers.0.self_attn.sinks"]
+
+
+def test_adapter_syncs_are_refused_for_the_async_trainer_and_merged_is_its_default() -> None:
+    from fsdp_sync import SyncConfig
+    from fsdp_sync.mixin import _merged_for_async
+
+    Trainer = _async_mixin_class()
+    with pytest.raises(UnsupportedSetupError, match=r"rollout worker names the model of every request.*adapter=False"):
+        Trainer(model="unused", args=SimpleNamespace(), sync_config=SyncConfig(adapter=True))
+    assert _merged_for_async(SyncConfig()).adapter is False
