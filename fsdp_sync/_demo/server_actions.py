@@ -23,6 +23,17 @@ ACTIONS = ("kill", "start", "restart", "stop", "cont")
 _POLL_S = 0.05
 
 
+def _write_whole(path: Path, record: dict[str, object]) -> None:
+    """Write `record` so that a reader polling for `path` never sees it part-written (a file renamed into place).
+
+    NOTE: the other side polls for the file's existence and reads it at once; written in place, it was once read
+    empty (a rank's JSONDecodeError, then the other rank waiting for it at the next sync).
+    """
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps(record))
+    part.replace(path)
+
+
 class ServerActions:
     """The job's side: the actions planned around its syncs (`--server-action ACTION:SYNC:WHEN`).
 
@@ -52,7 +63,7 @@ class ServerActions:
         for action in self.plan.get((sync, when), []):
             n, self.asked = self.asked, self.asked + 1
             if self.rank == 0:
-                (self.out / f"server-request-{n}.json").write_text(json.dumps({"action": action}))
+                _write_whole(self.out / f"server-request-{n}.json", {"action": action})
             done = self.out / f"server-done-{n}.json"
             deadline = time.monotonic() + self.timeout_s
             while not done.exists():
@@ -100,7 +111,7 @@ class ServerActor:
             except Exception as e:  # noqa: BLE001 - reported by the test; the job waits for the done file
                 self.errors.append(f"{action}: {type(e).__name__}: {e}")
             done = {"seconds": time.monotonic() - started, "at": time.time()}
-            (self.out / f"server-done-{n}.json").write_text(json.dumps(done))
+            _write_whole(self.out / f"server-done-{n}.json", done)
             n += 1
 
     def _act(self, action: str) -> None:
