@@ -237,7 +237,8 @@ def _check(record: dict[str, object], rank: int, label: str) -> None:
         assert error["type"] == "RemoteSyncError", (label, rank, error["type"])
     assert error["message"].count("The weight sync failed on") == 1, (label, error["message"][:800])
     assert record["seconds"] < FAST_S, f"{label}: rank {rank} took {record['seconds']:.1f} s to raise"
-    assert error["engine"] not in ("undefined", "current"), (label, rank, error["engine"])
+    # "current" where the fault came after the push (the outcome agreement): then every weight is the new one.
+    assert error["engine"] != "undefined", (label, rank, error["engine"])
     assert record.get("neither", []) == [], f"{label}: rank {rank}'s engine holds neither old nor new {record['neither']}"
     assert record["retry"]["complete"], (label, record["retry"])  # type: ignore[index]
     assert record["after"] == [], f"{label}: rank {rank} not exact after the retry: {record['after']}"
