@@ -200,6 +200,8 @@ class Job:
                 "failures": [(f.rank, f.stage) for f in e.failures],
                 "engine": e.engine.status if e.engine is not None else None,
                 "cause": type(e.__cause__).__name__ if e.__cause__ is not None else None,
+                # What the message says of the engine is what `engine` (the failed SyncReport's) says.
+                "engine_said": e.engine is None or f"This rank's engine {e.engine.describe()}." in str(e),
             }
         record["seconds"] = time.perf_counter() - started
         record["fired"] = list(faults.fired)
@@ -236,6 +238,7 @@ def _check(record: dict[str, object], rank: int, label: str) -> None:
     else:
         assert error["type"] == "RemoteSyncError", (label, rank, error["type"])
     assert error["message"].count("The weight sync failed on") == 1, (label, error["message"][:800])
+    assert error["engine_said"], (label, error["engine"], error["message"][:800])
     assert record["seconds"] < FAST_S, f"{label}: rank {rank} took {record['seconds']:.1f} s to raise"
     # "current" where the fault came after the push (the outcome agreement): then every weight is the new one.
     assert error["engine"] != "undefined", (label, rank, error["engine"])
