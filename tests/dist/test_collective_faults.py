@@ -15,9 +15,13 @@ takes patches, one per rank (colocate) or on rank 0 only (server mode: the patch
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
 import random
 import sys
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -221,6 +225,26 @@ class Job:
         return record
 
 
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "faults.json"
+
+
+def _record(run: str, results: list[list[dict[str, object]]]) -> None:
+    """With FSDP_VLLM_SYNC_RECORD_FAULTS=1: keep what every rank raised for docs/failures.md's table of collectives
+    (`python -m benchmarks.faults`)."""
+    if os.environ.get("FSDP_VLLM_SYNC_RECORD_FAULTS") != "1":
+        return
+    today = datetime.date.today().isoformat()
+    rows = [
+        {"collective": r["fault"][0], "call": r["fault"][1], "before": r["fault"][2], "sync": i, "rank": rank,  # type: ignore[index]
+         "failing": rank == r["failing"], "type": r["error"]["type"], "engine": r["error"]["engine"],  # type: ignore[index]
+         "seconds": round(r["seconds"], 4), "measured": today}  # type: ignore[arg-type]
+        for rank, records in enumerate(results) for i, r in enumerate(records)
+    ]  # fmt: skip
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data[run] = rows
+    RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
 def _check(record: dict[str, object], rank: int, label: str) -> None:
     """One faulted sync on one rank: raised a SyncError naming the failing rank and the collective's stage, fast;
     the failing rank's own error chained to the injected one; the engine old-or-new; the retry exact."""
@@ -289,6 +313,7 @@ def test_a_raise_in_any_collective_of_a_sparse_sync_fails_every_rank_at_once(
     status round's own all-gather raising on rank 0 left both ranks waiting. Now each fails every rank in seconds."""
     results = run_distributed(cases_scenario, backend, per_rank, failing)
     mode = "colocate" if per_rank else "server"
+    _record(f"collectives-{mode}-{backend}-2-rank{failing}", results)
     for rank, records in enumerate(results):
         for record in records:
             name, n, before = record["fault"]
@@ -347,6 +372,7 @@ def test_seeded_fault_soak(backend: str, per_rank: bool) -> None:
     server mode (FSDP1), every rank raising within seconds each time, engines old-or-new, every retry exact."""
     results = run_distributed(soak_scenario, backend, per_rank, SOAK_SEED)
     mode = "colocate" if per_rank else "server"
+    _record(f"collectives-soak-{mode}-{backend}-2", [r["records"] for r in results])
     declared = set(COLLECTIVES)
     for rank, result in enumerate(results):
         assert set(result["calls"]) == declared, ("not called by a sparse sync", declared - set(result["calls"]))
