@@ -45,8 +45,9 @@ LOGPROB_TOLERANCE = 0.15  # bf16 kernels against the Hugging Face model in bf16 
 FAMILY_TIMEOUT_S = 240
 
 
-class FamilyTimeout(Exception):
-    """A family ran past `FAMILY_TIMEOUT_S`."""
+class FamilyTimeout(BaseException):
+    """A family ran past `FAMILY_TIMEOUT_S`. NOTE: not an `Exception`, so that no handler inside the sweep (an engine
+    that cannot start is recorded as engine-limited) takes it for the family's own error."""
 
 
 def _bounded(seconds: int) -> None:
@@ -396,9 +397,14 @@ def main(out: Path, root: Path, families: list[str]) -> None:
     results = {}
     for family in families:
         started = time.monotonic()
+        timed_out = False
         try:
             _bounded(FAMILY_TIMEOUT_S)
             results[family] = sweep_family(family, root)
+        except FamilyTimeout as e:
+            timed_out = True
+            results[family] = {"family": family, "outcome": "failed", "problems": [str(e)],
+                               "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
         except Exception as e:  # noqa: BLE001 - one family's crash must not hide the others
             results[family] = {"family": family, "outcome": "failed", "problems": [first_line(e)],
                                "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
@@ -406,7 +412,7 @@ def main(out: Path, root: Path, families: list[str]) -> None:
             _bounded(0)
         results[family]["seconds"] = round(time.monotonic() - started, 1)
         gc.collect()
-        if "FamilyTimeout" in results[family].get("traceback", ""):
+        if timed_out:
             break  # NOTE: interrupted anywhere (inside vLLM too): the rest go on in a new process, as below
         if results[family]["outcome"] == "engine-limited":
             # NOTE: an engine that failed to start leaves this process's vLLM parallel state half set up: every later
