@@ -1,10 +1,16 @@
-"""The sync's own agreement between ranks, bounded in time, on a process group of its own.
+"""The sync's own agreement between ranks, bounded in time, on a process group of its own; and the one place
+through which every collective of a sync is called (`collective`).
 
 Why a group of its own: the agreement is the one wait the sync adds between ranks, and it must be bounded by the
 sync's timeout, not by the training group's (NCCL's default is 10-30 minutes, and a collective that timed out leaves
 its group unusable). A gloo group created for the purpose carries `SyncConfig.sync_timeout_s`; a timeout there
 breaks only that group, and `monitored_barrier` (gloo) names the ranks that did not arrive. The training group is
 never used for agreement, so on GPUs the agreement costs no device synchronisation either.
+
+Every collective of a sync is called through `collective`, under a name declared in `fsdp_sync.faults.COLLECTIVES`
+(tests/unit/test_guarded_collectives.py fails on a `torch.distributed` collective called anywhere else). Those on the
+sync's own groups run inside `Coordinator.run` (or its agreements), where a raise on one rank destroys the groups for
+every rank: the others, inside the same or the next control collective, fail at once instead of at a timeout.
 """
 
 from __future__ import annotations
@@ -17,15 +23,15 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .errors import RankFailure, SyncError, SyncTimeoutError, agreed_error, describe_failures
-from .faults import fault_point
+from .faults import COLLECTIVES, fault_point
 
-__all__ = ["Coordinator", "Rounds", "distributed", "free_port", "own_failure", "rank", "world_size"]
+__all__ = ["Coordinator", "Rounds", "collective", "distributed", "free_port", "own_failure", "rank", "world_size"]
 
 _T = TypeVar("_T")
 
@@ -46,7 +52,33 @@ def world_size() -> int:
 
 def own_failure(stage: str, error: Exception | None) -> RankFailure | None:
     """This rank's record of `error` at `stage`, for an agreement (None when it did not fail)."""
-    return None if error is None else RankFailure(rank(), stage, f"{type(error).__name__}: {error}")
+    return None if error is None else RankFailure(rank(), stage, _text(error))
+
+
+def _text(error: Exception) -> str:
+    """`error` as a failure's text: a `SyncError` that already names its failures is said by them, so that the
+    message every rank raises does not hold a copy of another sync message inside it."""
+    if isinstance(error, SyncError) and error.failures:
+        return "; ".join(f.error for f in error.failures)
+    return f"{type(error).__name__}: {error}"
+
+
+def collective(name: str, call: Callable[..., _T], /, *args: Any, **kwargs: Any) -> _T:
+    """`call(*args, **kwargs)`: the `torch.distributed` collective `call`, as the declared collective `name`.
+
+    Why one place: a collective that one rank leaves keeps the others inside it, so each one the sync calls must be
+    inside the failure model (docs/failures.md): those on the sync's own groups (`COLLECTIVES[name].group ==
+    "control"`) are called only from work that `Coordinator.run` or its agreements run, which destroy the groups for
+    every rank when one raises; the weight all-gathers on the training group are joined again with a zero shard
+    (`gather.collectives.launch_or_join`). Declaring each one keeps that list in one table, and `call` is looked up
+    at the call site, so a test that wraps a `torch.distributed` function reaches the library's calls of it.
+
+    Raises:
+        KeyError: `name` is not declared in `fsdp_sync.faults.COLLECTIVES`.
+    """
+    if name not in COLLECTIVES:
+        raise KeyError(f"undeclared collective {name!r}; declared: {sorted(COLLECTIVES)}")
+    return call(*args, **kwargs)
 
 
 def agreed(
@@ -98,12 +130,14 @@ class _ControlGroups:
         generation: how many times the groups were rebuilt (the same on every rank: they are rebuilt together).
         aborted: once a rank failed inside a control collective: every failure known here (the groups are
             destroyed, every control collective raises until `Coordinator.reopen` rebuilds them).
+        own: this rank's own error that aborted them (None where another rank did), raised as this rank's.
     """
 
     agree: dist.ProcessGroup | None
     rounds: dist.ProcessGroup | None
     generation: int = 0
     aborted: list[RankFailure] | None = None
+    own: Exception | None = None
 
 
 def _open_control_groups(timeout_s: float, generation: int = 0) -> _ControlGroups:
@@ -220,11 +254,30 @@ class Coordinator:
             logger.warning("weight sync: the sync's control groups were rebuilt after a rank aborted them")
         self._groups = groups
 
-    def _control(self, work: Callable[[_ControlGroups], _T], failure: RankFailure | None = None) -> _T:
+    def run(self, name: str, work: Callable[[dist.ProcessGroup | None], _T]) -> _T:
+        """`work(group)` on every rank, where `group` is the sync's own (None with one process): collectives called
+        through `collective` as `name` (declared with `group="control"`). A rank that raises in it aborts the groups
+        for all: every rank raises a `SyncError` at once, naming that rank and the collective's stage.
+
+        Why not the training group: torch cannot unblock a rank inside a collective of the training group when
+        another rank left it (its only bound is that group's own timeout, 30 minutes by default); these groups are
+        destroyed instead, which ends every collective on them at once, and are rebuilt at the next sync.
+        """
+        spec = COLLECTIVES[name]
+        if spec.group != "control":
+            raise ValueError(f"collective {name!r} runs on the {spec.group} group, not the sync's own")
+        if world_size() == 1:
+            return work(None)
+        return self._control(lambda groups: work(groups.agree), stage=spec.stage)
+
+    def _control(
+        self, work: Callable[[_ControlGroups], _T], failure: RankFailure | None = None, stage: str = "agree"
+    ) -> _T:
         """Run `work` (control collectives) on every rank; a rank that raises in it aborts the groups for all.
 
         Args:
             failure: this rank's own failure of the stage being agreed on (named in a timeout's error).
+            stage: the stage every rank names when a rank raises inside `work`.
         """
         groups = self._usable()
         started = time.monotonic()
@@ -236,11 +289,7 @@ class Coordinator:
             error = e
         if isinstance(error, RuntimeError) and time.monotonic() - started >= 0.95 * self.timeout_s:
             raise self._timed_out(error, failure) from error
-        logger.error("weight sync: a control collective raised here", exc_info=error)
-        # NOTE: the failed collective's frames (in its traceback) hold its group, whose connections close only when
-        # it goes; logged above, the error keeps its message.
-        error.__traceback__ = None
-        raise self._abort(groups, error, failure) from error
+        raise self._abort(groups, error, failure, stage) from error
 
     def _usable(self) -> _ControlGroups:
         if self._broken is not None:
@@ -251,10 +300,10 @@ class Coordinator:
             )
         assert self._groups is not None
         if self._groups.aborted is not None:
-            raise self._aborted_error(self._groups.aborted, None)
+            raise self._aborted_error(self._groups.aborted, self._groups.own)
         return self._groups
 
-    def _abort(self, groups: _ControlGroups, error: Exception, failure: RankFailure | None) -> SyncError:
+    def _abort(self, groups: _ControlGroups, error: Exception, failure: RankFailure | None, stage: str) -> SyncError:
         """This rank saw a control collective fail (not a timeout): when another rank aborted it, that rank's failure
         is in the training world's store; otherwise the failure is this rank's own, and it leaves it there for the
         others. Either way the groups are destroyed here (so every rank still inside one of their collectives fails
@@ -265,12 +314,14 @@ class Coordinator:
             if store is None:
                 raise RuntimeError("this training world has no store the ranks share")
             failures = self._peer_failures(store, groups)
-            own = None if failures else RankFailure(rank(), "agree", f"{type(error).__name__}: {error}")
+            own = None if failures else RankFailure(rank(), stage, _text(error))
             if own is not None:
                 store.set(_failure_key(self.timeout_s, groups.generation, rank()), pickle.dumps(own))
         except Exception as e:  # noqa: BLE001 - no store: the ranks can no longer tell why the collective failed
             # Marked aborted all the same: a coordinator built later rebuilds the groups rather than use these.
-            groups.aborted = [RankFailure(rank(), "agree", f"{type(error).__name__}: {error}")]
+            logger.error("weight sync: a collective of the sync's own groups raised here (%s)", stage, exc_info=error)
+            error.__traceback__ = None
+            groups.aborted = [RankFailure(rank(), stage, _text(error))]
             _destroy(groups)
             self._broken = f"{type(error).__name__}: {error}; the training world's store: {type(e).__name__}: {e}"
             return SyncTimeoutError(
@@ -280,10 +331,19 @@ class Coordinator:
                 "rebuilt without every rank of the training world taking part. Restart the job.",
                 failures=(failure,) if failure is not None else (),
             )
+        if own is not None:
+            logger.error("weight sync: a collective of the sync's own groups raised here (%s); aborting them for "
+                         "every rank", stage, exc_info=error)  # fmt: skip
+        else:
+            # NOTE: this rank only saw the groups close under it (the failing rank logged its traceback): one line.
+            logger.warning("weight sync: the sync's control groups were aborted by %s", describe_failures(failures))
+        # NOTE: the failed collective's frames (in its traceback) hold its group, whose connections close only when
+        # it goes; logged above, the error keeps its message.
+        error.__traceback__ = None
         groups.aborted = [own] if own is not None else failures
+        groups.own = error if own is not None else None
         _destroy(groups)
-        logger.error("weight sync: the sync's control groups were aborted: %s", describe_failures(groups.aborted))
-        return self._aborted_error(groups.aborted, error if own is not None else None)
+        return self._aborted_error(groups.aborted, groups.own)
 
     def _peer_failures(self, store: dist.Store, groups: _ControlGroups) -> list[RankFailure]:
         """The failures other ranks left when they aborted the groups of this generation (raises where the store
@@ -302,8 +362,8 @@ class Coordinator:
             local,
             failures,
             None,
-            how="It failed inside the sync's agreement between ranks and aborted it, so every rank stopped at once; "
-            "the sync's control groups are rebuilt at the start of the next sync.",
+            how="It failed inside a collective of the sync's own groups and aborted them, so every rank stopped at "
+            "once; the sync's control groups are rebuilt at the start of the next sync.",
         )
 
     def exchange(self, item: object) -> list[object]:
@@ -324,10 +384,12 @@ class Coordinator:
 
         def work(groups: _ControlGroups) -> list[object]:
             timeout = datetime.timedelta(seconds=self.timeout_s)
-            dist.monitored_barrier(group=groups.agree, timeout=timeout, wait_all_ranks=True)
+            collective(
+                "agree.barrier", dist.monitored_barrier, group=groups.agree, timeout=timeout, wait_all_ranks=True
+            )
             fault_point("agree.exchange")
             gathered: list[object] = [None] * dist.get_world_size(groups.agree)
-            dist.all_gather_object(gathered, item, group=groups.agree)
+            collective("agree.items", dist.all_gather_object, gathered, item, group=groups.agree)
             return gathered
 
         gathered = self._control(work)
@@ -372,11 +434,18 @@ class Coordinator:
         waits for something else (a unit's all-gather)."""
         if world_size() == 1:
             return _Round(None, torch.tensor([int(failed)], dtype=torch.uint8), (rank(),))
-        groups = self._usable()
-        flags = torch.zeros(dist.get_world_size(groups.rounds), dtype=torch.uint8)
         mine = torch.tensor([int(failed)], dtype=torch.uint8)
-        work = dist.all_gather_into_tensor(flags, mine, group=groups.rounds, async_op=True)
-        return _Round(work, flags, ())
+
+        def launch(groups: _ControlGroups) -> _Round:
+            flags = torch.zeros(dist.get_world_size(groups.rounds), dtype=torch.uint8)
+            work = collective(
+                "round.flags", dist.all_gather_into_tensor, flags, mine, group=groups.rounds, async_op=True
+            )
+            return _Round(work, flags, ())
+
+        # NOTE: a launch that raises on one rank aborts the groups, so the others, waiting for this round in
+        # `finish_round`, fail at once instead of going on without this rank.
+        return self._control(launch)
 
     def finish_round(self, started: _Round) -> tuple[int, ...]:
         """The failing ranks of a round `start_round` started (empty: go on).
@@ -399,6 +468,8 @@ class Coordinator:
                 logger.warning("weight sync: the training world's store cannot be reached: %s", lost)
                 aborted = []
             if groups is not None and aborted:
+                # NOTE: this rank only saw the round close under it (the failing rank logged its traceback).
+                logger.warning("weight sync: the sync's control groups were aborted by %s", describe_failures(aborted))
                 groups.aborted = aborted
                 _destroy(groups)
                 raise self._aborted_error(aborted, None) from e
@@ -430,14 +501,16 @@ class Coordinator:
             timeout = datetime.timedelta(seconds=self.timeout_s)
             # NOTE: gloo's monitored barrier names the ranks that did not arrive (on rank 0; the others learn that
             # rank 0 gave up); a plain all-reduce would only time out.
-            dist.monitored_barrier(group=groups.agree, timeout=timeout, wait_all_ranks=True)
+            collective(
+                "agree.barrier", dist.monitored_barrier, group=groups.agree, timeout=timeout, wait_all_ranks=True
+            )
             fault_point("agree.outcome")
             flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.agree)
+            collective("agree.flag", dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=groups.agree)
             if not flag.item():
                 return []
             gathered: list[RankFailure | None] = [None] * dist.get_world_size(groups.agree)
-            dist.all_gather_object(gathered, failure, group=groups.agree)
+            collective("agree.items", dist.all_gather_object, gathered, failure, group=groups.agree)
             return [f for f in gathered if f is not None]
 
         return self._control(work, failure)
@@ -465,6 +538,9 @@ class Rounds:
         self.stopped_by: tuple[int, ...] = ()
         # A wait of this rank timed out (a rank is hung or dead): no further round can be run.
         self.broken = False
+        # A rank raised inside a round's own collective and aborted the sync's groups (this one or another): the
+        # error every rank raises at its next agreement (`Coordinator.agree`, from the aborted groups).
+        self.aborted: SyncError | None = None
 
     @property
     def failed(self) -> bool:
@@ -473,8 +549,9 @@ class Rounds:
 
     @property
     def stopped(self) -> bool:
-        """A round found a failed rank (every rank has stopped gathering), or a wait timed out."""
-        return bool(self.stopped_by) or self.broken
+        """A round found a failed rank (every rank has stopped gathering), a wait timed out, or a round's own
+        collective failed on a rank (the groups are aborted)."""
+        return bool(self.stopped_by) or self.broken or self.aborted is not None
 
     def fail(self, stage: str, error: Exception) -> None:
         """Record this rank's first failure (later ones are logged only). A timed-out wait (`SyncTimeoutError`)
@@ -510,7 +587,13 @@ class Rounds:
         """Start a status round carrying whether this rank has failed so far (None: rounds have ended)."""
         if self.stopped or self.coordinator is None:
             return None
-        return self.coordinator.start_round(self.failed)
+        try:
+            return self.coordinator.start_round(self.failed)
+        except SyncTimeoutError as e:
+            self.fail("gather", e)
+        except SyncError as e:
+            self.aborted = e  # logged where the groups were aborted; raised by the agreement that follows
+        return None
 
     def finish(self, started: _Round | None) -> bool:
         """Wait for a round `start` started: True when no rank had failed; False (on every rank at once) otherwise."""
@@ -523,5 +606,8 @@ class Rounds:
             self.stopped_by = self.coordinator.finish_round(started)
         except SyncTimeoutError as e:
             self.fail("gather", e)
+            return False
+        except SyncError as e:
+            self.aborted = e
             return False
         return not self.stopped_by

@@ -33,9 +33,10 @@ class RankFailure:
 
     Attributes:
         stage: where, in the order a sync runs them: `build` (the sync's first construction), `plan` (names and
-            manifest, before anything is gathered), `check` (the non-finite or delta check of the local shards),
-            `agree` (inside a control collective of the sync's agreement between ranks), `patch` (the sparse round:
-            diff, counts, patches), `gather` (this rank's part of the all-gathers), `map`, `merge`, `cast` (turning a
+            manifest, before anything is gathered), `version` (asking the engine which weight version it holds,
+            before a delta or sparse sync), `check` (the non-finite or delta check of the local shards), `agree`
+            (inside a control collective of the sync's own groups: an agreement or a status round), `patch` (the
+            sparse round: diff, counts, patches, and their collectives), `gather` (this rank's part of the all-gathers), `map`, `merge`, `cast` (turning a
             gathered tensor into the engine's), `push` (the engine or the transport), `verify` (the optional
             read-back of the engine's digests). docs/failures.md lists the fault points of each.
     """
@@ -111,6 +112,15 @@ class SyncError(RuntimeError):
         super().__init__(message)
         self.failures = tuple(failures)
         self.engine = engine
+        # Whether the message ends by saying what `engine` holds (`agreed_error`): said from `engine` when read, so
+        # that it agrees with the failed `SyncReport` even where a caller filled `engine` in after the raise.
+        self.says_engine = False
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if getattr(self, "says_engine", False) and getattr(self, "engine", None) is not None:
+            text += f" This rank's engine {self.engine.describe()}."
+        return text
 
 
 class RemoteSyncError(SyncError):
@@ -159,23 +169,24 @@ def agreed_error(
     local: Exception | None, failures: list[RankFailure], engine: EngineState | None, *, how: str = ""
 ) -> SyncError:
     """The one error every rank raises after a failed stage: this rank's own (its type kept where it is a
-    `SyncError`; chained to it) or `RemoteSyncError`, naming every failing rank, stage and error, and saying what
-    this rank's engine holds and what happens next.
+    `SyncError`; chained to it) or `RemoteSyncError`, naming every failing rank, stage and error, what happens next,
+    and last what this rank's engine holds (from `engine` when the message is read: callers fill it in late).
 
     Args:
         how: how the ranks stopped, where not at a status round (said in place of the usual sentence).
     """
-    state = f" This rank's engine {engine.describe()}." if engine is not None else ""
-    parts = [f"The weight sync failed on {describe_failures(failures)}.{state}"]
+    parts = [f"The weight sync failed on {describe_failures(failures)}."]
     if how:
         parts.append(how)
     elif local is None:
-        parts.append("This rank did its part of every gather and stopped with the others.")
+        parts.append("This rank stopped with the others at the same point; no rank is left inside a collective.")
     parts.append("The next sync sends every weight.")
     message = " ".join(p for p in parts if p)
     if local is None:
-        return RemoteSyncError(message, failures=tuple(failures), engine=engine)
-    cls = type(local) if isinstance(local, SyncError) else SyncStageError
-    error = cls(message, failures=tuple(failures), engine=engine)
-    error.__cause__ = local
+        error: SyncError = RemoteSyncError(message, failures=tuple(failures), engine=engine)
+    else:
+        cls = type(local) if isinstance(local, SyncError) else SyncStageError
+        error = cls(message, failures=tuple(failures), engine=engine)
+        error.__cause__ = local
+    error.says_engine = True
     return error

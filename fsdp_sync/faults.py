@@ -16,7 +16,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FAULT_POINTS", "FaultInjected", "FaultPoint", "Injector", "fault_point", "injecting"]
+__all__ = [
+    "COLLECTIVES",
+    "Collective",
+    "FAULT_POINTS",
+    "FaultInjected",
+    "FaultPoint",
+    "Injector",
+    "fault_point",
+    "injecting",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,44 @@ FAULT_POINTS: dict[str, FaultPoint] = {
     "agree.outcome": FaultPoint("agree", "inside the control collective on a stage's outcome (here the push's), after "
                                 "every rank entered it", "new"),
     "verify": FaultPoint("verify", "reading the engine's digests back (SyncConfig.verify)", "new"),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a sync calls through `fsdp_sync.distributed.collective` (the one place that calls them).
+
+    A collective is the other kind of place where one rank can fail on its own: its call raises on that rank while
+    the others are inside it. Declared here so that docs/failures.md lists every one with what bounds its wait, and
+    tests/unit/test_guarded_collectives.py fails when the library calls a `torch.distributed` collective elsewhere.
+
+    Attributes:
+        stage: the stage every rank's `SyncError` names when it raises on one rank.
+        group: `"control"`: one of the sync's own gloo groups, which a rank that fails inside it destroys, so the others
+            fail at once (`Coordinator`); `"training"`: the trainer's process group, which cannot be aborted, so a
+            rank that fails to launch it joins it again with a zero shard (`gather.collectives.launch_or_join`).
+        where: what it carries.
+    """
+
+    stage: str
+    group: str
+    where: str
+
+
+# In the order a sync reaches them.
+COLLECTIVES: dict[str, Collective] = {
+    "agree.barrier": Collective("agree", "control", "the barrier that opens an agreement or an exchange (gloo's "
+                                "monitored barrier: it names the ranks that did not arrive)"),
+    "agree.items": Collective("agree", "control", "every rank's item of an exchange (the delta selection, the "
+                              "sparse readiness), or every rank's failure after a failed agreement"),
+    "agree.flag": Collective("agree", "control", "whether any rank failed the stage agreed on"),
+    "round.flags": Collective("agree", "control", "a status round: one byte per rank, whether it failed so far "
+                              "(before each unit's all-gather and before each gathered unit is handed on)"),
+    "patch.counts": Collective("patch", "control", "every rank's change counts of a sparse sync"),
+    "patch.gather": Collective("patch", "control", "every rank's encoded patches (to every rank in colocate mode, "
+                               "to rank 0 in server mode)"),
+    "gather.weights": Collective("gather", "training", "one unit's all-gather of the weight shards (the flat "
+                                 "strategies, the default)"),
 }  # fmt: skip
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from fsdp_sync.compat.manifest import CASTABLE_DTYPES
 
-from ..distributed import Rounds
+from ..distributed import Rounds, collective
 from ..errors import SyncTimeoutError
 from ..faults import fault_point
 from .base import sync_rounds
@@ -191,13 +191,18 @@ def launch_or_join(
         if not zeros:
             try:
                 fault_point("gather.launch", unit=k, units=units, index=index)
-                works.append(dist.all_gather_into_tensor(out, local, group=group, async_op=True))
+                works.append(
+                    collective("gather.weights", dist.all_gather_into_tensor, out, local, group=group, async_op=True)
+                )
                 continue
             except Exception as e:
                 rounds.fail("gather", e)
                 zeros = True
         try:
-            works.append(dist.all_gather_into_tensor(out, torch.zeros_like(local), group=group, async_op=True))
+            zero = torch.zeros_like(local)
+            works.append(
+                collective("gather.weights", dist.all_gather_into_tensor, out, zero, group=group, async_op=True)
+            )
         except Exception as e:  # noqa: BLE001 - the first error is the one reported
             logger.error("weight sync: could not join an all-gather after a failed launch; the other ranks wait in "
                          "it until SyncConfig.sync_timeout_s: %s", e)  # fmt: skip

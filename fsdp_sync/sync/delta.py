@@ -413,6 +413,7 @@ class DeltaPolicy:
         changed: list[str] = []
         error: Exception | None = None
         structure, primed, replaced = "", False, None
+        stage = "check"
         try:
             fault_point("check")
             trainable = self.gatherer.trainable()
@@ -421,14 +422,17 @@ class DeltaPolicy:
                 tracker = self.tracker = self._tracker(plan, trainable)
             primed = tracker.primed
             if primed and self.versions is not None:
+                # NOTE: a request to the engine (a server), not a local check: its failure is said as such.
+                stage = "version"
                 replaced = self.versions.replaced()
+                stage = "check"
             if primed and self.check:
                 changed = tracker.changed(self.gatherer.local_shards(tracker.watched))
             # NOTE: a stable digest (str hashes differ between processes).
             structure = hashlib.sha256("\n".join(sorted(trainable)).encode()).hexdigest()
         except Exception as e:
             error = e
-        state = (structure, primed, changed, own_failure("check", error), ready, replaced)
+        state = (structure, primed, changed, own_failure(stage, error), ready, replaced)
         try:
             states = self.coordinator.exchange(state)
         except SyncError as e:

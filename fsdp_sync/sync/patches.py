@@ -17,6 +17,7 @@ from fsdp_sync.compat.patch_api import EnginePatch
 
 # NOTE: the codec is the bottom floor's (`fsdp_sync.patch_codec`), shared with the gloo backend; re-exported here.
 from ..patch_codec import decode_indices, decode_patch, encode_indices, encode_patch, index_blocks
+from ..distributed import collective
 
 
 __all__ = [
@@ -127,13 +128,15 @@ def local_counts(names: Sequence[str], local: dict[str, Patch]) -> torch.Tensor:
 
 
 def exchange_counts(names: Sequence[str], mine: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> Counts:
-    """Every rank's `local_counts`, on every rank: one all-gather."""
+    """Every rank's `local_counts`, on every rank: one all-gather (a sync runs it on its own group:
+    `Coordinator.run`)."""
     if _single(group):
         both = mine.cpu().unsqueeze(0)
     else:
         world = dist.get_world_size(group)
+        mine = _on_wire(mine, group)
         out = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
-        dist.all_gather_into_tensor(out, mine.reshape(-1), group=group)
+        collective("patch.counts", dist.all_gather_into_tensor, out, mine.reshape(-1), group=group)
         both = out.view(world, len(names), 2).cpu()
     return Counts(tuple(names), both[:, :, 0], tuple(bool(x) for x in both[:, :, 1].amax(dim=0).tolist()))
 
@@ -144,6 +147,12 @@ def _has_nan(patch: Patch) -> int:
 
 def _single(group: dist.ProcessGroup | None) -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1
+
+
+def _on_wire(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`tensor` where `group`'s backend takes it: host memory for gloo (the sync's own groups are gloo, also on GPU
+    trainers: a sparse round's counts and patches are small, and a group of its own can be aborted)."""
+    return tensor.cpu() if dist.get_backend(group) == "gloo" else tensor
 
 
 @dataclass(frozen=True)
@@ -236,7 +245,8 @@ class Exchanged:
 
 
 def exchange_patches(packed: Packed, *, to_all: bool, group: dist.ProcessGroup | None = None) -> Exchanged:
-    """The patch gathers: the indices' low bits, the changes per block, and the values (one per value dtype)."""
+    """The patch gathers: the indices' low bits, the changes per block, and the values (one per value dtype); a sync
+    runs them on its own group (`Coordinator.run`). What arrives is on the device of `packed`."""
     world = 1 if _single(group) else dist.get_world_size(group)
     per_rank = packed.counts.per_rank
     lengths = per_rank.sum(dim=1).tolist() if packed.order else [0] * world
@@ -321,18 +331,19 @@ def _gather_padded(
     longest = max(lengths)
     if longest == 0:
         return [flat.new_empty(0) for _ in lengths]
-    padded = flat.new_zeros(longest)
+    padded = _on_wire(flat.new_zeros(longest), group)
     padded[: flat.numel()] = flat
     world = len(lengths)
     if to_all:
-        out = flat.new_empty(world * longest)
-        dist.all_gather_into_tensor(out, padded, group=group)
-        return [out[r * longest : r * longest + n] for r, n in enumerate(lengths)]
+        out = padded.new_empty(world * longest)
+        collective("patch.gather", dist.all_gather_into_tensor, out, padded, group=group)
+        return [out[r * longest : r * longest + n].to(flat.device) for r, n in enumerate(lengths)]
     # NOTE: `gather` to rank 0 (server mode): the other ranks need none of it.
     me = dist.get_rank(group)
-    chunks = [flat.new_empty(longest) for _ in range(world)] if me == 0 else None
-    dist.gather(padded, chunks, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    chunks = [padded.new_empty(longest) for _ in range(world)] if me == 0 else None
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    collective("patch.gather", dist.gather, padded, chunks, dst=dst, group=group)
     if chunks is None:
         return [flat.new_empty(0) for _ in lengths]
-    return [c[:n] for c, n in zip(chunks, lengths, strict=True)]
+    return [c[:n].to(flat.device) for c, n in zip(chunks, lengths, strict=True)]
 

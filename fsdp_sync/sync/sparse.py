@@ -191,7 +191,6 @@ class SparseTracker:
         dtype: the engine dtype (floating tensors are compared in it).
         max_density: above this changed fraction an engine module goes whole.
         to_all: every rank receives the patches (colocate), else rank 0 only (server mode).
-        group: the trainer's process group.
     """
 
     def __init__(
@@ -203,7 +202,6 @@ class SparseTracker:
         *,
         max_density: float,
         to_all: bool,
-        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.tensors = {t.name: t for t in tensors if t.name in patchable}
         self.source = {t.sources[0]: t.name for t in self.tensors.values()}
@@ -211,7 +209,6 @@ class SparseTracker:
         self.dtype = dtype
         self.max_density = max_density
         self.to_all = to_all
-        self.group = group
         self.snapshot = Snapshot(dtype)
         self.dense_left = 0
 
@@ -259,7 +256,12 @@ class SparseTracker:
         return {self.source[name]: patch for name, patch in patches.items()}
 
     def round(
-        self, selected: Sequence[PlannedTensor], local: dict[str, Patch], delta: DeltaTracker, rounds: Rounds
+        self,
+        selected: Sequence[PlannedTensor],
+        local: dict[str, Patch],
+        delta: DeltaTracker,
+        rounds: Rounds,
+        coordinator: Coordinator,
     ) -> SparseRound | None:
         """Count every rank's changes, decide what goes whole, gather the rest as patches (collectives: every rank).
 
@@ -273,6 +275,8 @@ class SparseTracker:
             local: this rank's patches (`diff`).
             delta: the delta tracker, whose engine-module grouping widens what goes whole.
             rounds: this sync's status rounds (a failure here is recorded in it, stage `patch`).
+            coordinator: the sync's own groups, on which the counts and the patches travel (a rank whose collective
+                raises there aborts them: every rank raises a `SyncError` at once).
 
         Returns:
             the round, or None when a rank failed (`rounds` says which).
@@ -287,7 +291,9 @@ class SparseTracker:
         if not rounds.go_on():
             return None
         assert mine is not None
-        counts = exchange_counts(names, mine, group=self.group)
+        # NOTE: the counts and the patches travel on the sync's own group, not the trainer's: a rank
+        # whose collective raises there aborts it for every rank, which torch cannot do inside the training group.
+        counts = coordinator.run("patch.counts", lambda group: exchange_counts(names, mine, group=group))
 
         def pack() -> tuple[SparseRound, Packed]:
             fault_point("sparse.pack")
@@ -298,8 +304,10 @@ class SparseTracker:
             return None
         assert decided is not None
         plan, packed = decided
-        exchanged = exchange_patches(packed, to_all=self.to_all, group=self.group)
-        receive = self.to_all or not dist.is_initialized() or dist.get_rank(self.group) == 0
+        exchanged = coordinator.run(
+            "patch.gather", lambda group: exchange_patches(packed, to_all=self.to_all, group=group)
+        )
+        receive = self.to_all or not dist.is_initialized() or dist.get_rank() == 0
 
         def unpack() -> SparseRound:
             if receive:
@@ -516,7 +524,7 @@ class SparsePolicy:
         rounds = Rounds(self.coordinator)
         try:
             assert self.delta.tracker is not None
-            done = tracker.round(selection.tensors, local, self.delta.tracker, rounds)
+            done = tracker.round(selection.tensors, local, self.delta.tracker, rounds, self.coordinator)
             failures = self.coordinator.agree_on(rounds.stage or "patch", rounds.error)
         except SyncError as e:
             e.engine = e.engine or self.unchanged()

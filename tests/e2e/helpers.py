@@ -102,14 +102,15 @@ def assert_synced_every_time(
     return result.ranks
 
 
-def run_engine_script(script: Path, *args: str) -> dict[str, Any]:
+def run_engine_script(script: Path, *args: str, timeout: float = 600) -> dict[str, Any]:
     """Run an engine script in a process of its own (one in-process vLLM engine per process); its last stdout line,
-    parsed as JSON. Fails the test with the script's stderr when it exits non-zero."""
+    parsed as JSON. Fails the test with the script's stderr when it exits non-zero, or when it runs past `timeout`
+    seconds."""
     proc = subprocess.run(
         [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         cwd=Path(__file__).parents[2],
     )
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -23,9 +23,9 @@ import pytest
 from benchmarks.architectures import RESULTS, summarize
 from fsdp_sync._demo.models import FAMILIES, SERVED_BY_TRANSFORMERS_BACKEND
 
+from .architecture_sweep import FAMILY_TIMEOUT_S
 from .helpers import run_engine_script
 
-pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).with_name("architecture_sweep.py")
 RECORD_ENV = "FSDP_VLLM_SYNC_RECORD_ARCHITECTURES"
@@ -39,6 +39,13 @@ MUST_PROVE = {
 # refusal sends users), also in server mode. DeepSeek is not: vLLM-CPU's latent attention frees a weight every
 # reload needs inside the server, where this package's colocated patch does not reach (docs/architectures.md).
 SERVER_FAMILIES = ("gpt_oss", "mixtral", "qwen2_moe", "olmoe", "olmo2")
+
+# NOTE: each family is bounded (`FAMILY_TIMEOUT_S`, in the sweep's process), not the sweep: a process's bound is its
+# families' bounds plus its start-up, and each test's is that of every family it may run (the colocated sweep, run by
+# whichever test comes first, and the server families), so that a loaded machine makes the sweep slow, not red.
+PROCESS_START_S = 120
+SWEEP_BOUND_S = FAMILY_TIMEOUT_S * (len(FAMILIES) + len(SERVER_FAMILIES))
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(SWEEP_BOUND_S + 4 * PROCESS_START_S)]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +88,8 @@ def colocated(root: Path, servers: dict[str, tuple[Any, Future]]) -> dict[str, A
         remaining = list(families)
         while remaining:  # a new process after each family whose engine could not start (the script says why)
             out = root / f"{name}-{len(results)}.json"
-            run_engine_script(SCRIPT, str(out), str(root), ",".join(remaining))
+            bound = PROCESS_START_S + FAMILY_TIMEOUT_S * len(remaining)
+            run_engine_script(SCRIPT, str(out), str(root), ",".join(remaining), timeout=bound)
             found = json.loads(out.read_text())
             assert found, f"the sweep recorded nothing for {remaining}"
             results.update(found)
@@ -127,7 +135,9 @@ def test_moe_and_attention_sink_families_in_server_mode_and_the_table_is_what_ra
     servers_path = root / "servers.json"
     servers_path.write_text(json.dumps(addresses))
     out = root / "server.json"
-    run_engine_script(SCRIPT, "server", str(out), ",".join(SERVER_FAMILIES), str(colocated_path), str(servers_path))
+    bound = PROCESS_START_S + FAMILY_TIMEOUT_S * len(SERVER_FAMILIES)
+    run_engine_script(SCRIPT, "server", str(out), ",".join(SERVER_FAMILIES), str(colocated_path), str(servers_path),
+                      timeout=bound)  # fmt: skip
     served = json.loads(out.read_text())
     failed = [_problems(r) for r in served.values() if r["outcome"] != "proven"]
     assert not failed, "\n".join(failed)

@@ -115,9 +115,10 @@ def test_stopped_killed_and_restarted_server_delta_syncs(server: VLLMServerProce
             f = failed[sync]
             assert f["seconds"] < SYNC_TIMEOUT_S + MARGIN_S, f"rank {r['rank']}: {f['seconds']:.1f} s at sync {sync}"
             assert "did not answer" in f["message"], f["message"][:800]
-            assert f["failures"] == [[0, "check" if sync == 2 else "push"]], f["failures"]
+            # Sync 2's first server call is the weight-version request: stage `version`, not the local `check`.
+            assert f["failures"] == [[0, "version" if sync == 2 else "push"]], f["failures"]
         assert "cannot be reached" in failed[7]["message"], failed[7]["message"][:800]
-        assert failed[7]["failures"] == [[0, "check"]]
+        assert failed[7]["failures"] == [[0, "version"]]
     sender = ranks[0]
     assert _failed(sender)[2]["type"] == "ServerNoAnswerError"
     assert _failed(sender)[4]["type"] == "ServerTransportError"

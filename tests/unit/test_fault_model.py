@@ -13,8 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.faults import BEGIN, END, SERVER_BEGIN, SERVER_END, point_runs, server_runs, server_table, table
-from fsdp_sync.faults import FAULT_POINTS, FaultInjected, Injector, fault_point, injecting
+from benchmarks.faults import (
+    BEGIN,
+    COLLECTIVES_BEGIN,
+    COLLECTIVES_END,
+    END,
+    SERVER_BEGIN,
+    SERVER_END,
+    collective_runs,
+    collective_table,
+    point_runs,
+    server_runs,
+    server_table,
+    table,
+)
+from fsdp_sync.faults import COLLECTIVES, FAULT_POINTS, FaultInjected, Injector, fault_point, injecting
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,6 +55,18 @@ def test_server_fault_table_is_the_measured_one() -> None:
     records = [r for rows in server_runs().values() for r in rows]
     assert records, "no server fault was measured"
     assert all(r["next"] != "failed" for r in records), [r for r in records if r["next"] == "failed"]
+
+
+def test_collective_fault_table_is_the_measured_one() -> None:
+    """docs/failures.md's table of the sync's collectives is rendered from the recorded runs of
+    tests/dist/test_collective_faults.py; every declared collective was faulted, every rank raised, in seconds."""
+    page = (ROOT / "docs" / "failures.md").read_text()
+    assert COLLECTIVES_BEGIN in page and COLLECTIVES_END in page, "docs/failures.md lacks the collectives' markers"
+    shown = page.split(COLLECTIVES_BEGIN, 1)[1].split(COLLECTIVES_END, 1)[0].strip()
+    assert shown == collective_table(), "docs/failures.md's collectives table is stale: paste `python -m benchmarks.faults`"
+    records = [r for rows in collective_runs().values() for r in rows]
+    assert {r["collective"] for r in records} == set(COLLECTIVES), "a declared collective was never faulted"
+    assert all(r["type"] and r["seconds"] < 5 for r in records), [r for r in records if r["seconds"] >= 5]
 
 
 def test_every_declared_point_is_called_by_the_library() -> None:
