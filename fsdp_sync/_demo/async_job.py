@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer.train()
     record["wrapper"] = _wrapper_info(trainer.model_wrapped)
     record["model_version"] = trainer.model_version
-    record["syncs"] = [r.__dict__ for r in getattr(trainer, "sync_reports", [])]
+    record["syncs"] = [r.as_dict() for r in getattr(trainer, "sync_reports", [])]
     record["rollout_versions"] = versions.seen if versions is not None else []
     if stand_in is not None:
         record["pauses"] = [(paused, None) for paused in stand_in.pauses]
