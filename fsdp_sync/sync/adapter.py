@@ -4,8 +4,9 @@ the engine keeps the base it loaded from its own checkpoint.
 Why its own sync, not a selection policy of `WeightSync`: nothing of the merged path applies. There is no engine
 manifest to plan against (the engine's weights are never written), no gather of FSDP units (each rank hands over its
 own part of each `lora_A`/`lora_B` and the parts are exchanged on the sync's own group (`adapter.pieces`): no base
-parameter is ever unsharded), and the engine's writer is its LoRA manager. What it shares with `WeightSync` is the contract: `sync()`
-on every rank, one `SyncReport`, a failure on any rank raised on every rank (`distributed.agreed`), `resync()`.
+parameter is ever unsharded), and the engine's writer is its LoRA manager. What it shares with `WeightSync` is the
+contract: `sync()` on every rank, one `SyncReport`, a failure on any rank raised on every rank (`distributed.agreed`,
+`Coordinator.run`), `resync()`.
 
 Steps:
 1. plan, once: the adapter's weights by trainer name, their PEFT checkpoint names, its config; what the engine
@@ -13,7 +14,8 @@ Steps:
 2. the base, once: every rank compares its own shards of the frozen base with the engine's checkpoint (sha256 of
    the same elements on both sides, no gather); a different base is an error before anything is written.
 3. every sync: this rank's pieces of the adapter (`Gatherer.local_pieces`), exchanged (`gather_pieces`), built into
-   the engine under a new id (`AdapterWriter.load_adapter`); the previous version is unloaded.
+   an adapter that every rank agrees on, then loaded into the engine under a new id (`AdapterWriter.load_adapter`);
+   the previous version is unloaded.
 """
 
 from __future__ import annotations
