@@ -115,6 +115,8 @@ COLLECTIVES: dict[str, Collective] = {
                                "to rank 0 in server mode)"),
     "gather.weights": Collective("gather", "training", "one unit's all-gather of the weight shards (the flat "
                                  "strategies, the default)"),
+    "adapter.pieces": Collective("adapter.pieces", "control", "every rank's pieces of a LoRA adapter (an adapter "
+                                 "sync: sizes, places and values, three all-gathers per dtype)"),
 }  # fmt: skip
 
 

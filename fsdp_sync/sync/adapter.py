@@ -3,9 +3,10 @@ the engine keeps the base it loaded from its own checkpoint.
 
 Why its own sync, not a selection policy of `WeightSync`: nothing of the merged path applies. There is no engine
 manifest to plan against (the engine's weights are never written), no gather of FSDP units (each rank hands over its
-own part of each `lora_A`/`lora_B` and the parts are exchanged in two collectives: no base parameter is ever
-unsharded), and the engine's writer is its LoRA manager. What it shares with `WeightSync` is the contract: `sync()`
-on every rank, one `SyncReport`, a failure on any rank raised on every rank (`distributed.agreed`), `resync()`.
+own part of each `lora_A`/`lora_B` and the parts are exchanged on the sync's own group (`adapter.pieces`): no base
+parameter is ever unsharded), and the engine's writer is its LoRA manager. What it shares with `WeightSync` is the
+contract: `sync()` on every rank, one `SyncReport`, a failure on any rank raised on every rank (`distributed.agreed`,
+`Coordinator.run`), `resync()`.
 
 Steps:
 1. plan, once: the adapter's weights by trainer name, their PEFT checkpoint names, its config; what the engine
@@ -13,7 +14,8 @@ Steps:
 2. the base, once: every rank compares its own shards of the frozen base with the engine's checkpoint (sha256 of
    the same elements on both sides, no gather); a different base is an error before anything is written.
 3. every sync: this rank's pieces of the adapter (`Gatherer.local_pieces`), exchanged (`gather_pieces`), built into
-   the engine under a new id (`AdapterWriter.load_adapter`); the previous version is unloaded.
+   an adapter that every rank agrees on, then loaded into the engine under a new id (`AdapterWriter.load_adapter`);
+   the previous version is unloaded.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from fsdp_sync.compat.lora_api import Adapter, adapter_refusals, adapter_tensor_
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name, unwrapped_name
 
 from ..config import SyncConfig
-from ..distributed import Coordinator, agreed, world_size
+from ..distributed import Coordinator, agreed, collective
 from ..errors import EngineState, RankFailure, SyncError, UnsupportedSetupError, agreed_error
 from ..gather.base import Gatherer, Piece
 from ..report import AdapterFigures, SyncReport
@@ -137,13 +139,16 @@ def gather_pieces(
     dtypes: Sequence[torch.dtype],
     *,
     receive: bool,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
     """The full (flat) tensors of `names` from every rank's disjoint pieces: three all-gathers per dtype (sizes, the
-    pieces' places, their values), whatever the number of tensors. Every rank must call it with the same `names`,
-    `numels` and `dtypes` (metadata every rank has).
+    pieces' places, their values) on `group`, whatever the number of tensors. Every rank must call it with the same
+    `names`, `numels` and `dtypes` (metadata every rank has). A sync runs it inside `Coordinator.run` on its own
+    group (`adapter.pieces`); the full tensors are on the device of this rank's pieces.
 
     Args:
         receive: this rank keeps the full tensors (else it returns {} after its part of the collectives).
+        group: the group the pieces travel on (None: the default group, or a single process).
 
     Raises:
         RuntimeError: the ranks' pieces do not cover a tensor exactly once (a gatherer defect).
@@ -157,7 +162,7 @@ def gather_pieces(
         device = chosen[0][1].values.device if chosen else torch.device("cpu")
         places = torch.tensor([[i, p.start, p.values.numel()] for i, p in chosen], dtype=torch.int64).reshape(-1, 3)
         values = torch.cat([p.values.reshape(-1).to(dtype) for _, p in chosen]) if chosen else torch.empty(0, dtype=dtype)
-        all_places, all_values = _exchange(places.to(device), values.to(device))
+        all_places, all_values = _exchange(places, values.to(device), group)
         if not receive:
             continue
         for rank_places, rank_values in zip(all_places, all_values, strict=True):
@@ -166,7 +171,7 @@ def gather_pieces(
                 name = names[i]
                 out = full.get(name)
                 if out is None:
-                    out = full[name] = torch.empty(numels[i], dtype=dtype, device=rank_values.device)
+                    out = full[name] = torch.empty(numels[i], dtype=dtype, device=device)
                 out[start : start + n] = rank_values[at : at + n]
                 filled[name] = filled.get(name, 0) + n
                 at += n
@@ -177,26 +182,31 @@ def gather_pieces(
     return full
 
 
-def _exchange(places: torch.Tensor, values: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _exchange(
+    places: torch.Tensor, values: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every rank's (places, values), padded to the longest for one all-gather each."""
-    world = world_size()
-    if world == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [places], [values]
-    device = values.device
+    world = dist.get_world_size(group)
+    # NOTE: on a gloo group (the sync's own, also on GPU trainers) the tensors travel through host memory, as the
+    # sparse round's do: an adapter is small, and a group of its own can be aborted when a rank raises inside it
+    # (the training group cannot). The full tensors are built on the pieces' device by the caller.
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else values.device
     sizes = torch.tensor([places.shape[0], values.numel()], dtype=torch.int64, device=device)
     all_sizes = torch.empty(world * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(all_sizes, sizes)
+    collective("adapter.pieces", dist.all_gather_into_tensor, all_sizes, sizes, group=group)
     rows, lengths = all_sizes.view(world, 2).t().tolist()
     most = max(max(rows), 1)
-    padded_places = places.new_full((most, 3), -1)
+    padded_places = torch.full((most, 3), -1, dtype=torch.int64, device=device)
     padded_places[: places.shape[0]] = places
     out_places = torch.empty(world * most * 3, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out_places, padded_places.reshape(-1))
+    collective("adapter.pieces", dist.all_gather_into_tensor, out_places, padded_places.reshape(-1), group=group)
     longest = max(max(lengths), 1)
-    padded = values.new_zeros(longest)
+    padded = torch.zeros(longest, dtype=values.dtype, device=device)
     padded[: values.numel()] = values
-    out_values = values.new_empty(world * longest)
-    dist.all_gather_into_tensor(out_values, padded)
+    out_values = torch.empty(world * longest, dtype=values.dtype, device=device)
+    collective("adapter.pieces", dist.all_gather_into_tensor, out_values, padded, group=group)
     place_rows = out_places.view(world, most, 3).cpu()
     return (
         [place_rows[r, : rows[r]] for r in range(world)],
@@ -327,6 +337,14 @@ class AdapterSync:
                 )
         return plan
 
+    def _adapter(self, plan: AdapterPlan, full: dict[str, torch.Tensor], version: int) -> Adapter | None:
+        """Version `version` of the adapter from the exchanged tensors (None on a rank that loads no engine)."""
+        if not self.writer.pushes:
+            return None
+        specs = self.gatherer.specs()
+        tensors = {plan.checkpoint[n]: full[n].view(specs[n].shape) for n in plan.names}
+        return Adapter(version, f"{self.name_prefix}-v{version}", tensors, plan.config)
+
     def sync(self) -> SyncReport:
         """Push the adapter's current tensors as a new adapter version; every rank must call it.
 
@@ -344,18 +362,28 @@ class AdapterSync:
         )
         numels = [math.prod(specs[n].shape) for n in plan.names]
         dtypes = [specs[n].dtype for n in plan.names]
-        full = gather_pieces(plan.names, pieces, numels, dtypes, receive=self.writer.pushes)
         version = self.version + 1
-        adapter: Adapter | None = None
+        try:
+            # NOTE: on the sync's own group, not the training group: a rank that raises inside the exchange (or in
+            # building the full tensors after it) aborts that group, so every rank raises at once naming it, where
+            # the training group would have kept the others inside its all-gather until that group's own timeout.
+            full = self.coordinator.run(
+                "adapter.pieces",
+                lambda group: gather_pieces(
+                    plan.names, pieces, numels, dtypes, receive=self.writer.pushes, group=group
+                ),
+            )
+            # NOTE: every rank agrees before any engine loads: a rank that raised just after the exchange's last
+            # all-gather returned (the others had left it) would otherwise leave their engines on the new version.
+            adapter = agreed(
+                self.coordinator, "adapter.pieces", lambda: self._adapter(plan, full, version), self._failed
+            )
+        except SyncError as e:
+            e.engine = e.engine or self._unchanged()
+            raise
         error: Exception | None = None
-        if self.writer.pushes:
+        if adapter is not None:
             try:
-                adapter = Adapter(
-                    version,
-                    f"{self.name_prefix}-v{version}",
-                    {plan.checkpoint[n]: full[n].view(specs[n].shape) for n in plan.names},
-                    plan.config,
-                )
                 self.writer.load_adapter(adapter)  # type: ignore[union-attr]
             except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
                 error = e

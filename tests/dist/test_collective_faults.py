@@ -10,7 +10,8 @@ after it returned (this rank raises just after a collective the others completed
 FSDP2 (flat gatherers, the default), the real pipeline, delta and sparse syncs; the engine is a recording writer that
 takes patches, one per rank (colocate) or on rank 0 only (server mode: the patches are gathered to rank 0).
 
-`test_seeded_fault_soak` is the soak: seeded faults in every declared collective, until each was hit at least once.
+`test_seeded_fault_soak` is the soak: seeded faults in every declared collective of a sparse sync, until each was
+hit at least once (the adapter sync's exchange, `adapter.pieces`, is faulted by tests/dist/test_adapter_faults.py).
 """
 
 from __future__ import annotations
@@ -373,7 +374,9 @@ def test_seeded_fault_soak(backend: str, per_rank: bool) -> None:
     results = run_distributed(soak_scenario, backend, per_rank, SOAK_SEED)
     mode = "colocate" if per_rank else "server"
     _record(f"collectives-soak-{mode}-{backend}-2", [r["records"] for r in results])
-    declared = set(COLLECTIVES)
+    # NOTE: `adapter.pieces` is an adapter sync's exchange, which a sparse sync never calls: it is faulted (and
+    # recorded into the same table) by tests/dist/test_adapter_faults.py.
+    declared = set(COLLECTIVES) - {"adapter.pieces"}
     for rank, result in enumerate(results):
         assert set(result["calls"]) == declared, ("not called by a sparse sync", declared - set(result["calls"]))
         hit = set()
