@@ -9,7 +9,7 @@
     python -m benchmarks.run sparse-sync [--steps 5] [--models ...] [--modes server,colocate]   (whole syncs into vLLM)
     python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU; on CPU
         ranks, e.g. `--models qwen2-layout --world-size 1`, it writes gpu-cpu.*: the host work alone)
-    python -m benchmarks.run kernels [--reps 5] [--models qwen2-7b] [--sources bfloat16,float32]   (the check and
+    python -m benchmarks.run kernels [--reps 5] [--models qwen2-7b] [--sources bfloat16,float32] [--sweep]   (the check and
         sparse extraction alone, against their floors; on CPU ranks only under TRITON_INTERPRET=1, tiny shapes)
     python -m benchmarks.run gpu-suite   (what a GPU session runs: gpu --check, delta --engine buffers, kernels)
     python -m benchmarks.run report [--results benchmarks/results]
@@ -255,6 +255,10 @@ def _kernels(args: argparse.Namespace) -> None:
 
     sources = [getattr(torch, name) for name in args.sources.split(",")]
     rows = kernels_rows(args.models.split(","), sources, args.reps)
+    if args.sweep:
+        from .kernels import sweep_rows
+
+        rows += sweep_rows(args.models.split(","), args.reps)
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else f"{platform.machine()} CPU (smoke test, Triton interpreter)"
     machine = f"{device}, torch {torch.__version__}"
@@ -302,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels = sub.add_parser("kernels")
     kernels.add_argument("--models", default="qwen2-7b")
     kernels.add_argument("--sources", default="bfloat16,float32")
+    kernels.add_argument("--sweep", action="store_true", help="also time sparse extraction at each launch shape")
     suite = sub.add_parser("gpu-suite")
     rep = sub.add_parser("report")
     rep.add_argument("--kind", default="cpu")
