@@ -170,11 +170,17 @@ def _fits(shapes: dict[str, tuple[int, ...]], source: torch.dtype, device: torch
     return need < 0.85 * free
 
 
-def kernels_rows(models: list[str], sources: list[torch.dtype], reps: int) -> list[dict[str, Any]]:
+def device_and_rate() -> tuple[torch.device, float | None]:
+    """The device the kernels run on and its copy rate (None on the CPU), measured once for every row of a run."""
     from .delta import _copy_rate
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    rate = _copy_rate(device)
+    return device, _copy_rate(device)
+
+
+def kernels_rows(models: list[str], sources: list[torch.dtype], reps: int,
+                 measured: tuple[torch.device, float | None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    device, rate = measured or device_and_rate()
     rows: list[dict[str, Any]] = []
     for model_name in models:
         shapes = _shapes(model_name)
@@ -230,10 +236,11 @@ def kernels_table(rows: list[dict[str, Any]]) -> str:
 
 
 # The extraction's launch shapes tried by `sweep_rows`: (elements per program, warps per program).
-SWEEP = ((1024, 2), (1024, 4), (2048, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8))
+SWEEP = ((512, 2), (512, 4), (1024, 2), (1024, 4), (2048, 4), (4096, 4), (4096, 8))
 
 
-def sweep_rows(models: list[str], reps: int, share: float = 0.02) -> list[dict[str, Any]]:
+def sweep_rows(models: list[str], reps: int, measured: tuple[torch.device, float | None] | None = None,
+               share: float = 0.02) -> list[dict[str, Any]]:  # fmt: skip
     """Sparse extraction (bfloat16 sources, `share` changed) with each launch shape of `SWEEP`, the torch path run
     after each timed call on its own snapshot of the same steps, compared with it bit for bit at every step.
 
@@ -244,10 +251,7 @@ def sweep_rows(models: list[str], reps: int, share: float = 0.02) -> list[dict[s
     from fsdp_sync.kernels.extract import Extractor, kind_of
     from fsdp_sync.sync.sparse import Snapshot
 
-    from .delta import _copy_rate
-
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    rate = _copy_rate(device)
+    device, rate = measured or device_and_rate()
     rows: list[dict[str, Any]] = []
     for model_name in models:
         shapes = _shapes(model_name)

@@ -243,6 +243,7 @@ def _gpu(args: argparse.Namespace) -> None:
     replays = [r for r in rows if "graph_replays" in r and r["rank"] == 0]
     notes = [f"- {r['model']} {r['backend']}: ours-flat-graph replayed its CUDA graph in {r['graph_replays']} of "
              f"{args.reps + 1} syncs" for r in replays]  # fmt: skip
+    notes += sorted({f"- {r['model']} {r['backend']}: {r['skipped']}" for r in rows if "skipped" in r and r["rank"] == 0})
     with (args.results / f"{kind}.md").open("a") as md:
         md.write("\n" + "\n".join(notes) + "\n")
     print("\n".join(notes))
@@ -251,14 +252,13 @@ def _gpu(args: argparse.Namespace) -> None:
 def _kernels(args: argparse.Namespace) -> None:
     import torch
 
-    from .kernels import kernels_rows, kernels_table
+    from .kernels import device_and_rate, kernels_rows, kernels_table, sweep_rows
 
     sources = [getattr(torch, name) for name in args.sources.split(",")]
-    rows = kernels_rows(args.models.split(","), sources, args.reps)
+    measured = device_and_rate()  # one floor for every row
+    rows = kernels_rows(args.models.split(","), sources, args.reps, measured)
     if args.sweep:
-        from .kernels import sweep_rows
-
-        rows += sweep_rows(args.models.split(","), args.reps)
+        rows += sweep_rows(args.models.split(","), args.reps, measured)
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else f"{platform.machine()} CPU (smoke test, Triton interpreter)"
     machine = f"{device}, torch {torch.__version__}"

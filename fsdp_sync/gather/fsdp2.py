@@ -394,6 +394,15 @@ class FSDP2FlatGatherer(FlatBase):
             slots.sort(key=lambda slot: str(slot.dtype))
             self._visits.append(_Visit(names, slots, others, mesh, mesh.size() if mesh is not None else 1))
         self._specs = {n: spec_of(planned[n]) for visit in self._visits for n in visit.names}
+        # NOTE: decided once: where every flat-gathered shard already lives on the compute device (no CPU offload),
+        # no `.to(device)` per parameter and sync (a microsecond or two of host work each, at 1.5B shapes a tenth of
+        # FSDP2's host work over FSDP1's on one H100).
+        self._move_to = compute_device
+        if compute_device is not None:
+            here = torch.empty(0, device=compute_device).device
+            shards = [_local_tensor(planned[slot.name]) for visit in self._visits for slot in visit.slots]
+            if all(shard.device == here for shard in shards):
+                self._move_to = None
 
     def specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
@@ -406,8 +415,8 @@ class FSDP2FlatGatherer(FlatBase):
 
     def _cast(self, local: torch.Tensor, slot: _Slot) -> torch.Tensor:
         """A local shard on the compute device, in the wire dtype (under `_prepare`'s no_grad)."""
-        if self.compute_device is not None:
-            local = local.to(self.compute_device)
+        if self._move_to is not None:
+            local = local.to(self._move_to)
         return local if local.dtype == slot.dtype else local.to(slot.dtype)
 
     def _local(self, slot: _Slot) -> torch.Tensor:

@@ -31,11 +31,11 @@ __all__ = ["Extractor", "Kind", "kind_of"]
 
 # Elements per program: one chunk is read once and held in registers while its changes are counted and compacted.
 # NOTE: chosen by `python -m benchmarks.kernels --sweep` on one H100 (benchmarks/results/kernels.md).
-CHUNK = 4096
-_WARPS = 8
+CHUNK = 1024
+_WARPS = 4
 # Chunks per program of the compaction, and changes of each chunk copied at a time.
 _GROUP = 32
-_BLOCK = 64
+_BLOCK = 32
 # The scratch of a first call: this share of the elements (more is finished in a second launch).
 _FIRST_SHARE = 64
 
