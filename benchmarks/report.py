@@ -57,20 +57,29 @@ def _ratio(value: float | None) -> str:
 
 
 def table(summary: list[dict[str, Any]]) -> str:
-    head = (
-        "| model | backend | method | median ms | speed-up vs TRL | x floor | x default | tensors | MB pushed | GB/s | "
-        "peak extra MB | accounted MB |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-    )
-    lines = [head]
+    """The markdown table of a summary; a column empty in every row (a run without a TRL or floor row, or without
+    accounted peaks) is left out, so that no quoted table carries columns with nothing in them."""
+    head = [
+        "model", "backend", "method", "median ms", "speed-up vs TRL", "x floor", "x default", "tensors", "MB pushed",
+        "GB/s", "peak extra MB", "accounted MB",
+    ]
+    rows = []
     for s in summary:
         accounted = f"{s['accounted_peak_bytes'] / 1e6:.1f}" if s.get("accounted_peak_bytes") is not None else ""
-        lines.append(
-            f"| {s['model']} | {s['backend']} | {s['method']} | {s['seconds'] * 1e3:.1f} | "
-            f"{_ratio(s['x_trl'])} | {_ratio(s['x_floor'])} | {_ratio(s.get('x_default'))} | {s['tensors']} | "
-            f"{s['bytes'] / 1e6:.1f} | {s['gbps']:.2f} | "
-            f"{s['peak_extra_bytes'] / 1e6:.1f} | {accounted} |"
+        rows.append(
+            [
+                s["model"], s["backend"], s["method"], f"{s['seconds'] * 1e3:.1f}", _ratio(s["x_trl"]),
+                _ratio(s["x_floor"]), _ratio(s.get("x_default")), str(s["tensors"]), f"{s['bytes'] / 1e6:.1f}",
+                f"{s['gbps']:.2f}", f"{s['peak_extra_bytes'] / 1e6:.1f}", accounted,
+            ]
         )
-    return "\n".join(lines)
+    keep = [i for i in range(len(head)) if i < 3 or any(row[i] for row in rows)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cells[i] for i in keep) + " |"
+
+    align = "|" + "|".join("---" if i < 3 else "---:" for i in keep) + "|"
+    return "\n".join([line(head), align, *(line(row) for row in rows)])
 
 
 def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:

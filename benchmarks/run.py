@@ -12,6 +12,8 @@
     python -m benchmarks.run kernels [--reps 5] [--models qwen2-7b] [--sources bfloat16,float32] [--sweep]   (the check and
         sparse extraction alone, against their floors; on CPU ranks only under TRITON_INTERPRET=1, tiny shapes)
     python -m benchmarks.run gpu-suite   (what a GPU session runs: gpu --check, delta --engine buffers, kernels)
+    python -m benchmarks.run async [--models qwen2-36m] [--steps 4] [--rounds 2]   (TRL's AsyncGRPOTrainer on a vLLM CPU
+        server: each sync and the server's pause, the mixin against TRL's own sync)
     python -m benchmarks.run report [--results benchmarks/results]
 
 Each writes `<results>/<kind>.json` (raw rows), `<kind>.md` (table) and `<kind>.png` (time and peak memory).
@@ -222,6 +224,22 @@ def _server(args: argparse.Namespace) -> None:
     _write("server", rows, args.results, machine)
 
 
+def _async(args: argparse.Namespace) -> None:
+    import os
+
+    import torch
+
+    from .async_sync import async_rows, async_table
+
+    rows = async_rows(args.models.split(","), args.steps, args.rounds)
+    machine = (
+        f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo trainer ranks (FSDP2), torch {torch.__version__}; "
+        f"TRL's AsyncGRPOTrainer with its rollout worker generating on one vLLM CPU server (bf16), gloo weight "
+        f"transfer; {args.rounds} jobs per method, alternating, {args.steps} steps each"
+    )
+    _save(args.results, "async-cpu", machine, rows, async_table)
+
+
 def _gpu(args: argparse.Namespace) -> None:
     import torch
 
@@ -308,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     kernels.add_argument("--sources", default="bfloat16,float32")
     kernels.add_argument("--sweep", action="store_true", help="also time sparse extraction at each launch shape")
     suite = sub.add_parser("gpu-suite")
+    asynchronous = sub.add_parser("async")
+    asynchronous.add_argument("--models", default="qwen2-36m")
+    asynchronous.add_argument("--steps", type=int, default=4)
+    asynchronous.add_argument("--rounds", type=int, default=2)
+    asynchronous.add_argument("--results", type=Path, default=RESULTS)
     rep = sub.add_parser("report")
     rep.add_argument("--kind", default="cpu")
     sparse_sync.add_argument("--results", type=Path, default=RESULTS)
@@ -334,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             _kernels(args)
         case "gpu-suite":
             _gpu_suite(args)
+        case "async":
+            _async(args)
         case "report":
             _report(args.kind if args.kind != "report" else "cpu", args.results)
     return 0

@@ -29,12 +29,15 @@ class ServerInfo:
         weight_transfer_backend: the configured weight-transfer backend (`"nccl"`, `"gloo"`, ...), or None when the
             server was started without `--weight-transfer-config`.
         served_name: the model name the server answers to in requests.
+        engine_fixes: the reload fixes every weight-transfer engine of the server applies (this package installed in
+            the server's environment; read apart from `/server_info`, on every rank, before the trainer is built).
     """
 
     model: str
     dtype: torch.dtype
     weight_transfer_backend: str | None
     served_name: str
+    engine_fixes: frozenset[str] = frozenset()
 
 
 def _dtype(value: Any) -> torch.dtype:

@@ -7,6 +7,10 @@ Detected by feature, never by version:
 - TRL 0.18-0.27 trainers and the experimental OnlineDPOTrainer of 1.16: `trainer._move_model_to_vllm()`, with
   `trainer.llm`, `trainer.vllm_client`, `trainer.vllm_mode` (or `args.vllm_mode`). With transformers 5 and vLLM >= 0.28
   those TRL releases fail at import (pyproject.toml's `trl` floor); the path is run by OnlineDPOTrainer.
+- TRL 1.16's experimental `AsyncGRPOTrainer` (`trl.experimental.async_grpo`): server mode only (no `use_vllm`, no
+  `vllm_mode`: `args.vllm_server_base_url`); its callbacks call `trainer._sync_weight()` (at train begin and every
+  `weight_sync_steps`), which pauses the server, streams through a `weight_transfer=` object (`WeightTransferProtocol`)
+  and bumps `trainer.model_version`. Recognised by that method and that constructor argument.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "ASYNC_SYNC_WEIGHT",
     "ServerAddress",
     "TRLSyncTarget",
     "defer_trl_weight_communicator",
     "find_sync_target",
+    "is_async_trainer",
     "log_sync_metrics",
     "mark_weights_awake",
     "server_address",
@@ -29,6 +35,9 @@ __all__ = [
 
 VLLM_GENERATION = "vllm_generation"
 MOVE_MODEL_TO_VLLM = "_move_model_to_vllm"
+ASYNC_SYNC_WEIGHT = "_sync_weight"
+# The default port of TRL's weight-transfer group (`vllm_group_port`), for trainers whose config has none.
+DEFAULT_GROUP_PORT = 51216
 
 
 @dataclass(frozen=True)
@@ -58,8 +67,29 @@ def _defines_move_model_to_vllm(cls: type) -> bool:
     return any(MOVE_MODEL_TO_VLLM in vars(c) for c in cls.__mro__ if not getattr(c, "_fvs_is_sync_mixin", False))
 
 
+def is_async_trainer(cls: type) -> bool:
+    """Whether `cls` is (a subclass of) TRL's async GRPO trainer: a trainer class of its own defines
+    `_sync_weight` and its constructor takes `weight_transfer`."""
+    import inspect
+
+    trainer_classes = [c for c in cls.__mro__ if not getattr(c, "_fvs_is_sync_mixin", False)]
+    if not any(ASYNC_SYNC_WEIGHT in vars(c) for c in trainer_classes):
+        return False
+    for c in trainer_classes:
+        if "__init__" in vars(c):
+            try:
+                return "weight_transfer" in inspect.signature(vars(c)["__init__"]).parameters
+            except (TypeError, ValueError):
+                return False
+    return False
+
+
 def find_sync_target(trainer: Any) -> TRLSyncTarget | None:
     """The trainer's vLLM sync target, or None when the trainer does not use vLLM."""
+    if is_async_trainer(type(trainer)):
+        return TRLSyncTarget(
+            entry=ASYNC_SYNC_WEIGHT, mode="server", llm=None, client=None, sleep_mode=False, owner=trainer
+        )
     if not getattr(getattr(trainer, "args", None), "use_vllm", getattr(trainer, "use_vllm", False)):
         return None
     generation = getattr(trainer, VLLM_GENERATION, None)
@@ -126,9 +156,17 @@ class ServerAddress:
     group_port: int
 
 
-def server_address(args: Any) -> ServerAddress | None:
-    """The server a trainer config points at, or None unless it uses vLLM in server mode."""
-    if args is None or not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "server":
+def server_address(args: Any, *, always_server: bool = False, group_port: int | None = None) -> ServerAddress | None:
+    """The server a trainer config points at, or None unless it uses vLLM in server mode.
+
+    Args:
+        args: the trainer's config.
+        always_server: the trainer has no colocated mode (TRL's async trainer: no `use_vllm`, no `vllm_mode`).
+        group_port: the weight-transfer group's port when the config names none (`SyncConfig.group_port`).
+    """
+    if args is None:
+        return None
+    if not always_server and (not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "server"):
         return None
     base_url = getattr(args, "vllm_server_base_url", None)
     if not base_url:
@@ -136,7 +174,7 @@ def server_address(args: Any) -> ServerAddress | None:
     return ServerAddress(
         base_url=base_url.rstrip("/"),
         startup_timeout_s=float(getattr(args, "vllm_server_timeout", 240.0)),
-        group_port=int(getattr(args, "vllm_group_port", 51216)),
+        group_port=int(group_port or getattr(args, "vllm_group_port", DEFAULT_GROUP_PORT)),
     )
 
 

@@ -34,6 +34,14 @@ opened (`engine_api.engine_handle`, the `gloo` worker) or around a reload, never
   '[512, 2, 64]' is invalid for input of size 0", DeepSeek-V2/V3 on vLLM 0.32). Installed before the engine loads,
   it keeps the weight (its memory: one `kv_b_proj` per layer). CPU platform only (other MLA backends keep it). Can go
   when that release is removed or re-done on reload.
+- `fix_every_weight_transfer_engine`: the two reload fixes above (`keep_moe_experts_processed_on_reload`,
+  `load_gpt_oss_through_weight_loaders`) reach an engine only where this package writes into it: the colocated
+  writer and the `gloo` worker. A server on vLLM's own NCCL backend (TRL's async trainer's default) reloaded gpt-oss
+  stale. Installed by the plugin in every vLLM process where this package is installed, it wraps vLLM's
+  `WeightTransferEngineFactory.create_engine` so that every engine it makes, whatever its backend, applies both
+  fixes to its model before each update, and gives the workers a method that says so (`ENGINE_FIXES_METHOD`,
+  reached through `/collective_rpc`), which the trainer asks before refusing a gpt-oss push over NCCL. vLLM
+  0.28-0.34 (the factory is unchanged there). Can go with the two fixes it carries.
 - `quiet_partial_reload`: vLLM's per-layer warnings for layers a delta sync leaves out on purpose. 0.28-0.34 (the
   `reload.layerwise` / `reload.inplace` loggers). Can go when vLLM stops warning for layers given nothing; if the
   loggers are renamed it filters nothing (harmless).
@@ -49,7 +57,11 @@ from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
+    "ENGINE_FIXES_METHOD",
+    "fix_every_weight_transfer_engine",
     "keep_cpu_linear_weights",
     "keep_mla_kv_b_proj_weights",
     "load_gpt_oss_through_weight_loaders",
@@ -304,6 +316,47 @@ def _through_weight_loaders(
             yield name, tensor
 
 
+# The worker method `fix_every_weight_transfer_engine` adds: the names of the fixes every weight-transfer engine of
+# that worker applies (a trainer asks it through the server's `/collective_rpc` development route).
+ENGINE_FIXES_METHOD = "fsdp_vllm_sync_engine_fixes"
+ENGINE_FIXES = ("keep_moe_experts_processed_on_reload", "load_gpt_oss_through_weight_loaders")
+_ENGINES_FIXED = False
+
+
+def fix_every_weight_transfer_engine() -> bool:
+    """Make every weight-transfer engine vLLM's factory builds in this process apply the reload fixes to its model
+    before each update, and give the workers `ENGINE_FIXES_METHOD` (idempotent). Returns whether it is installed;
+    False on a vLLM without the weight-transfer API."""
+    global _ENGINES_FIXED
+    if _ENGINES_FIXED:
+        return True
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+        from vllm.v1.worker.worker_base import WorkerBase
+    except ImportError:
+        return False
+    create = WeightTransferEngineFactory.__dict__["create_engine"].__func__
+
+    @functools.wraps(create)
+    def create_engine(cls: type, config: Any, vllm_config: Any, device: Any, model: torch.nn.Module) -> Any:
+        engine = create(cls, config, vllm_config, device, model)
+        start = engine.start_weight_update
+
+        def start_weight_update(*args: Any, **kwargs: Any) -> Any:
+            fixed = [*keep_moe_experts_processed_on_reload(model), *load_gpt_oss_through_weight_loaders(model)]
+            if fixed:
+                logger.info("fsdp-vllm-sync: reload fixes applied to %s before the update: %s", config.backend, fixed)
+            return start(*args, **kwargs)
+
+        engine.start_weight_update = start_weight_update
+        return engine
+
+    WeightTransferEngineFactory.create_engine = classmethod(create_engine)  # type: ignore[method-assign]
+    setattr(WorkerBase, ENGINE_FIXES_METHOD, lambda worker: list(ENGINE_FIXES))
+    _ENGINES_FIXED = True
+    return True
+
+
 def unfixed_reload_gaps(architectures: Iterable[str], names: Iterable[str]) -> dict[str, str]:
     """Checkpoint name -> why an engine without this module's loader fixes (a server on vLLM's own weight-transfer
     backend) keeps it stale on an in-place update, for the models whose fix is `load_gpt_oss_through_weight_loaders`.
@@ -315,8 +368,9 @@ def unfixed_reload_gaps(architectures: Iterable[str], names: Iterable[str]) -> d
         return {}
     reason = (
         "vLLM's gpt-oss loader writes it around the in-place reload, so an update keeps the old values; this package "
-        "fixes that inside the engine it writes to, which vLLM's own weight-transfer backends do not run: start the "
-        "server with --weight-transfer-config '{\"backend\": \"gloo\"}' (fsdp-vllm-sync installed on the server)"
+        "fixes that in every weight-transfer engine of a server it is installed in, and this server did not say it "
+        "has the fix: install fsdp-vllm-sync in the server's environment (any backend), or start the server with "
+        "--weight-transfer-config '{\"backend\": \"gloo\"}'"
     )
     stacks = tuple(f".mlp.experts.{leaf}" for leaf in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"))
     return {name: reason for name in names if name.endswith(".self_attn.sinks") or name.endswith(stacks)}

@@ -2,7 +2,8 @@
 
 The public names load lazily (PEP 562): the weight-transfer engine that runs inside a vLLM server process
 (`fsdp_sync.transfer`) and the pure `fsdp_sync.compat` tables import this package without pulling in the gatherers,
-the mixin or FSDP.
+the mixin or FSDP. `ServerPushError` and `ServerTransportError` load the server writer, and with it vLLM's
+weight-transfer API.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ _EXPORTS: dict[str, str] = {
     "EngineWriter": "writers",
     "FSDPVLLMSyncMixin": "mixin",
     "IncompleteSyncError": "sync.stream",
+    "ManifestError": "errors",
     "NonFiniteWeightsError": "errors",
     "PeftMerge": "peft_merge",
     "RemoteSyncError": "errors",
+    "ServerConfigError": "server_client",
+    "ServerNoAnswerError": "server_client",
+    "ServerPushError": "writers.server",
+    "ServerTransportError": "writers.server",
+    "ServerUnavailableError": "server_client",
     "ServerWriter": "writers",
     "SyncConfig": "config",
     "SyncError": "errors",
@@ -31,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "SyncTimeoutError": "errors",
     "UnsupportedAdapterError": "peft_merge",
     "UnsupportedBackendError": "backend",
+    "UnsupportedSetupError": "errors",
     "VerifyError": "errors",
     "WeightSync": "sync.pipeline",
     "detect_backend": "backend",
@@ -46,11 +54,13 @@ if TYPE_CHECKING:
     from .config import SyncConfig
     from .errors import (
         EngineState,
+        ManifestError,
         NonFiniteWeightsError,
         RemoteSyncError,
         SyncError,
         SyncStageError,
         SyncTimeoutError,
+        UnsupportedSetupError,
         VerifyError,
     )
     from .full_weights import full_module, iter_full_weights
@@ -60,7 +70,9 @@ if TYPE_CHECKING:
     from .sync.pipeline import WeightSync
     from .sync.stream import IncompleteSyncError, SyncPlan
     from .report import SyncReport
+    from .server_client import ServerConfigError, ServerNoAnswerError, ServerUnavailableError
     from .writers import ColocateWriter, EnginePushError, EngineWriter, ServerWriter
+    from .writers.server import ServerPushError, ServerTransportError
 
 
 def __getattr__(name: str) -> Any:

@@ -15,6 +15,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from .errors import SyncError
+
 __all__ = ["Backend", "UnsupportedBackendError", "detect_backend", "unwrap_outer", "user_model"]
 
 
@@ -26,8 +28,10 @@ class Backend(enum.Enum):
     DEEPSPEED = "deepspeed"  # recognised, not gathered here: left to the trainer's own sync
 
 
-class UnsupportedBackendError(RuntimeError):
-    """The model is wrapped in a way this library does not gather from."""
+class UnsupportedBackendError(SyncError):
+    """The model is wrapped in a way this library does not gather from. A `SyncError` (and so a `RuntimeError`):
+    raised at the first sync, before anything is gathered, it reaches the caller as itself on every rank that found
+    it."""
 
 
 def _is_compiled(model: nn.Module) -> bool:

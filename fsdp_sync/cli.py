@@ -23,6 +23,7 @@ __all__ = [
     "HelpFormatter",
     "UsageError",
     "first_line",
+    "joined_lines",
     "make_parser",
     "meta_model",
     "positive_int",
@@ -97,6 +98,11 @@ def first_line(error: Exception) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def joined_lines(error: Exception) -> str:
+    """A multi-line error message on one line (a YAML parser's says where on its second and third lines)."""
+    return " ".join(line.strip() for line in str(error).strip().splitlines() if line.strip()) or type(error).__name__
+
+
 def meta_model(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM of a checkpoint directory, built from its config on the meta device (both check tools)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -107,5 +113,7 @@ def meta_model(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
         config = AutoConfig.from_pretrained(str(directory))
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (OSError, ValueError) as e:  # unreadable config, unknown model type, not a causal LM
+    # NOTE: any exception: the config is the user's input, and transformers raises what a field's own code raises
+    # (TypeError, KeyError, AttributeError) for a value of the wrong type; each is a plain mistake, never a traceback.
+    except Exception as e:  # noqa: BLE001 - unreadable config, unknown model type, not a causal LM
         raise UsageError(f"cannot build a causal LM from {directory / 'config.json'}: {first_line(e)}") from e

@@ -62,6 +62,9 @@ class SyncConfig:
             reload processes as one) above which it is sent whole. The default lies between the densities measured
             where patches won (about 2% changed: 1.5-2x faster syncs) and where they lost (13-25%); not swept finer
             (docs/sparse.md).
+        group_port: server mode: the TCP port the trainer's sender hosts the weight-transfer group on (overrides
+            the trainer's `vllm_group_port`; TRL's async trainer has none); None: the trainer's `vllm_group_port`,
+            else 51216.
     """
 
     fsdp1_strategy: str = "flat"
@@ -79,6 +82,7 @@ class SyncConfig:
     delta_check: bool = True
     sparse: bool = False
     sparse_max_density: float = 0.1
+    group_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.fsdp1_strategy not in _FSDP1:
@@ -95,5 +99,7 @@ class SyncConfig:
             raise ValueError(f"sparse_max_density={self.sparse_max_density}; must be within [0, 1]")
         if self.sparse and not self.delta:
             raise ValueError("sparse=True builds on delta syncs; set delta=True (the default) or sparse=False")
+        if self.group_port is not None and not 0 < self.group_port < 65536:
+            raise ValueError(f"group_port={self.group_port}; must be a TCP port (1-65535) or None")
         if self.fsdp2_strategy not in _FSDP2:
             raise ValueError(f"fsdp2_strategy={self.fsdp2_strategy!r}; valid: {list(_FSDP2)}")

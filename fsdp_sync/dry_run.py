@@ -6,12 +6,13 @@
 Builds the model the way a trainer would (FSDP2 and plain on the meta device, so no weight is read; FSDP1 needs real
 storage, so its parameters are allocated uninitialised on the CPU), wraps it on a single-process gloo group, and runs
 the same planning and manifest check as a sync, without an engine. Exits 1 if the engine would reject anything, 2 for
-a plain mistake in the input (one line on stderr, no traceback).
+a plain mistake in the input or any input it cannot read (one line on stderr, no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .cli import EXIT_FAILED, EXIT_OK, UsageError, make_parser, meta_model, positive_int, require, run
+from .cli import EXIT_FAILED, EXIT_OK, UsageError, first_line, make_parser, meta_model, positive_int, require, run
 
 __all__ = ["DTYPES", "build_parser", "dry_run", "main"]
 
@@ -40,14 +41,15 @@ EPILOG = """\
 exit codes:
   0  the engine would accept the sync
   1  the engine would reject it (the offending names are printed)
-  2  a mistake in the arguments or the model directory, or a missing optional dependency (one line on stderr)"""
+  2  a mistake in the arguments, any input it cannot read or use (the model directory, its config.json or
+     weights, the accelerate config), or a missing optional dependency (one line on stderr)"""
 
 
 def _model_dir(path_or_id: str) -> Path:
     """The local checkpoint directory of `path_or_id` (a directory, or a hub id already in the local cache).
 
     Raises:
-        UsageError: neither exists, or the directory has no `config.json`.
+        UsageError: neither exists, or the directory has no `config.json`, or it is not a JSON object.
     """
     from fsdp_sync.compat.checkpoint import resolve_checkpoint_dir
 
@@ -58,8 +60,17 @@ def _model_dir(path_or_id: str) -> Path:
             f"model directory {path_or_id!r} does not exist (nor is it a model in the local Hugging Face cache); "
             "pass the directory the engine loads (config.json and its *.safetensors)"
         ) from e
-    if not (directory / "config.json").is_file():
+    config = directory / "config.json"
+    if not config.is_file():
         raise UsageError(f"{directory} has no config.json; pass the Hugging Face model directory the engine loads")
+    # NOTE: read here, once, for both checks: the manifest and the model both read it, and neither says which file
+    # was malformed.
+    try:
+        loaded = json.loads(config.read_text())
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise UsageError(f"{config} cannot be read as JSON: {first_line(e)}") from e
+    if not isinstance(loaded, dict):
+        raise UsageError(f"{config} holds a JSON {type(loaded).__name__}, not an object of model settings")
     return directory
 
 
@@ -144,6 +155,11 @@ def dry_run(
         manifest = read_checkpoint_manifest(directory)
     except FileNotFoundError as e:
         raise UsageError(f"{e}; the check compares the trainer's names with the weights the engine loads") from e
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt weights file is the user's input, not a bug here
+        raise UsageError(
+            f"cannot read the weight files' headers in {directory}: {type(e).__name__}: {first_line(e)}; "
+            "pass the directory the engine loads, with complete *.safetensors (or *.bin) files"
+        ) from e
     model = meta_model(directory, dtype)
     if lora:
         model = _add_lora(model, lora, lora_r)
@@ -235,9 +251,13 @@ def _compare_fsdp2(args: argparse.Namespace) -> bool:
         raise UsageError("--compare-fsdp2 needs --accelerate-config YAML (the FSDP1 config to convert)")
     if not args.accelerate_config.is_file():
         raise UsageError(f"--accelerate-config {args.accelerate_config}: no such file")
+    # NOTE: the model directory first, the model built once from it: its mistakes are the user's input and end in
+    # one line, where a wrap that fails under one config is the comparison's answer (exit 1).
+    model_dir = _model_dir(args.model_dir)
+    meta_model(model_dir, DTYPES[args.dtype])
     try:
         return migration_check(
-            _model_dir(args.model_dir),
+            model_dir,
             args.accelerate_config,
             dtype=DTYPES[args.dtype],
             engine_dtype=DTYPES[args.engine_dtype],

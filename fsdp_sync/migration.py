@@ -18,7 +18,15 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-__all__ = ["KEY_NOTES", "WrapSpec", "compare_plans", "migration_check", "wrap_on_one_rank", "wrap_spec"]
+__all__ = [
+    "KEY_NOTES",
+    "WrapSpec",
+    "compare_plans",
+    "migration_check",
+    "read_accelerate_config",
+    "wrap_on_one_rank",
+    "wrap_spec",
+]
 
 # What each FSDP1 key that `accelerate to-fsdp2` drops or renames means for the weight sync.
 KEY_NOTES: dict[str, str] = {
@@ -53,6 +61,25 @@ class WrapSpec:
     param_dtype: torch.dtype | None
 
 
+def read_accelerate_config(path: Path) -> dict[str, Any]:
+    """The accelerate config at `path`, as the mapping its YAML holds.
+
+    Raises:
+        ValueError: the file cannot be read, is not YAML, or does not hold a mapping (one line, saying where).
+    """
+    import yaml
+
+    from .cli import joined_lines
+
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError) as e:  # unreadable, not UTF-8 (a ValueError), malformed YAML
+        raise ValueError(f"cannot be read as YAML: {joined_lines(e)}") from e
+    if not isinstance(loaded, dict):
+        raise ValueError(f"holds a YAML {type(loaded).__name__}, not a mapping of accelerate settings")
+    return loaded
+
+
 def wrap_spec(config: dict[str, Any]) -> WrapSpec:
     """Read the wrapping out of an accelerate config (as loaded from its YAML).
 
@@ -62,6 +89,8 @@ def wrap_spec(config: dict[str, Any]) -> WrapSpec:
     fsdp = config.get("fsdp_config")
     if not fsdp:
         raise ValueError("the accelerate config has no fsdp_config section; it does not configure FSDP")
+    if not isinstance(fsdp, dict):
+        raise ValueError(f"fsdp_config holds a {type(fsdp).__name__}, not a mapping of fsdp_* settings")
     policy = fsdp.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
     if policy != "TRANSFORMER_BASED_WRAP":
         raise ValueError(
@@ -71,11 +100,18 @@ def wrap_spec(config: dict[str, Any]) -> WrapSpec:
     classes = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
     if isinstance(classes, str):
         classes = [c.strip() for c in classes.split(",") if c.strip()]
+    if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+        raise ValueError(
+            f"fsdp_transformer_layer_cls_to_wrap {classes!r}; give class names, comma-separated or as a list"
+        )
     mixed = str(config.get("mixed_precision", "no"))
     if mixed not in _MIXED_PRECISION:
         raise ValueError(f"mixed_precision {mixed!r}; valid: {list(_MIXED_PRECISION)}")
+    version = fsdp.get("fsdp_version", 1)
+    if version not in (1, 2, "1", "2"):
+        raise ValueError(f"fsdp_version {version!r}; valid: 1, 2")
     return WrapSpec(
-        version=int(fsdp.get("fsdp_version", 1)),
+        version=int(version),
         unit_classes=tuple(classes) if classes else None,
         use_orig_params=bool(fsdp.get("fsdp_use_orig_params", True)),
         param_dtype=_MIXED_PRECISION[mixed],
@@ -167,18 +203,22 @@ def migration_check(
     Needs an initialised single-process torch.distributed group (the dry run's `main` makes one).
 
     Raises:
-        ValueError: the config is not an FSDP1 config this check models.
+        ValueError: the config cannot be read, or is not an FSDP1 config this check models, or its conversion cannot
+            be written next to it.
     """
     import yaml
     from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2
 
-    original = yaml.safe_load(config_path.read_text()) or {}
+    original = read_accelerate_config(config_path)
     first = wrap_spec(original)
     if first.version != 1:
         raise ValueError(f"{config_path} already configures FSDP{first.version}; pass the FSDP1 config")
     converted = convert_config_to_fsdp2(copy.deepcopy(original))
     target = config_path.with_name(f"{config_path.stem}-fsdp2{config_path.suffix or '.yaml'}")
-    target.write_text(yaml.safe_dump(converted, sort_keys=False))
+    try:
+        target.write_text(yaml.safe_dump(converted, sort_keys=False))
+    except OSError as e:
+        raise ValueError(f"cannot write the converted config to {target}: {e.strerror or e}") from e
     second = wrap_spec(converted)
 
     print(f"model: {model_dir}\naccelerate config: {config_path}\nconverted with accelerate's to-fsdp2: {target}", file=out)

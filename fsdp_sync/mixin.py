@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fsdp_sync.compat.trl_api import (
+    ASYNC_SYNC_WEIGHT,
     MOVE_MODEL_TO_VLLM,
     ServerAddress,
     TRLSyncTarget,
     defer_trl_weight_communicator,
     find_sync_target,
+    is_async_trainer,
     log_sync_metrics,
     mark_weights_awake,
     server_address,
@@ -65,10 +67,16 @@ class FSDPVLLMSyncMixin:
         config = sync_config or SyncConfig()
         init = super().__init__
         try:
-            trainer_args = inspect.signature(init).bind_partial(*args, **kwargs).arguments.get("args")
+            bound = inspect.signature(init).bind_partial(*args, **kwargs).arguments
         except TypeError:  # let the trainer's own constructor report bad arguments
-            trainer_args = None
-        self._fvs_server_address: ServerAddress | None = server_address(trainer_args)
+            bound = {}
+        trainer_args = bound.get("args")
+        is_async = is_async_trainer(type(self))
+        if is_async:
+            kwargs = self._fvs_async_kwargs(bound, kwargs)
+        self._fvs_server_address: ServerAddress | None = server_address(
+            trainer_args, always_server=is_async, group_port=config.group_port
+        )
         self._fvs_server_info: ServerInfo | None = None
         if self._fvs_server_address is not None:
             problem = server_mode_problem() or missing_api()
@@ -102,7 +110,9 @@ class FSDPVLLMSyncMixin:
         # The trainer's own sync, kept for DeepSpeed runs (left to it).
         self._fvs_builtin_sync = None
         if self._fvs_target is not None:
-            if self._fvs_target.entry == MOVE_MODEL_TO_VLLM:
+            if self._fvs_target.entry == ASYNC_SYNC_WEIGHT:
+                pass  # the trainer's callbacks call `_sync_weight`, the mixin's; TRL's own needs NCCL (no fallback)
+            elif self._fvs_target.entry == MOVE_MODEL_TO_VLLM:
                 self._fvs_builtin_sync = super()._move_model_to_vllm  # type: ignore[misc]
             else:
                 owner = self._fvs_target.owner
@@ -126,9 +136,36 @@ class FSDPVLLMSyncMixin:
         if problem is not None:
             raise UnsupportedSetupError(f"Colocated training with fsdp-vllm-sync: {problem}.")
 
+    def _fvs_async_kwargs(self, bound: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """TRL's async trainer: its constructor gets this package's `weight_transfer` (see
+        `fsdp_sync.trainers.async_grpo`), and its config must name the server for every rank."""
+        from .trainers.async_grpo import MixinWeightTransfer
+
+        if bound.get("weight_transfer") is not None:
+            raise UnsupportedSetupError(
+                f"{type(self).__name__} was given weight_transfer={bound['weight_transfer']!r}, but "
+                "FSDPVLLMSyncMixin owns the weight sync: drop the weight_transfer argument, or the mixin."
+            )
+        if bound.get("args") is None:
+            raise UnsupportedSetupError(
+                f"{type(self).__name__} with FSDPVLLMSyncMixin needs args=AsyncGRPOConfig(vllm_server_base_url=...), "
+                "so that every rank knows the vLLM server before the trainer is built."
+            )
+        return {**kwargs, "weight_transfer": MixinWeightTransfer(self)}
+
     # Older TRL and the experimental OnlineDPOTrainer call this method; the mixin comes first in the MRO.
     def _move_model_to_vllm(self, *args: Any, **kwargs: Any) -> None:
         self.sync_weights_to_vllm()
+
+    # TRL's async trainer calls this from its callbacks (train begin, every `weight_sync_steps`).
+    def _sync_weight(self, *args: Any, **kwargs: Any) -> None:
+        target = self._fvs_target
+        if target is None or target.entry != ASYNC_SYNC_WEIGHT:
+            super()._sync_weight(*args, **kwargs)  # type: ignore[misc]
+            return
+        from .trainers.async_grpo import run_async_sync
+
+        run_async_sync(self)
 
     @property
     def sync_plan(self) -> SyncPlan | None:
@@ -160,6 +197,7 @@ class FSDPVLLMSyncMixin:
                     )
                 config = self.sync_config
                 main = self.accelerator.is_main_process  # type: ignore[attr-defined]
+                is_async = target.entry == ASYNC_SYNC_WEIGHT
                 return ServerWriter(
                     ServerClient(address.base_url, timeout=config.server_timeout_s) if main else None,
                     info,
@@ -167,6 +205,10 @@ class FSDPVLLMSyncMixin:
                     checkpoint_dir=checkpoint,
                     buffer_bytes=config.server_buffer_bytes,
                     timeout_s=config.server_timeout_s,
+                    # NOTE: the async trainer's rollouts keep generating during training: the server is paused for
+                    # the write alone, and its weight version names the policy version the rollouts will carry.
+                    pause_for_write=is_async,
+                    version_label=(lambda: f"v{self.model_version + 1}") if is_async else None,  # type: ignore[attr-defined]
                 )
             case other:
                 raise ValueError(f"vLLM mode {other!r} is not supported; valid: 'colocate', 'server'")

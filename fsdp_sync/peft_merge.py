@@ -23,12 +23,14 @@ import torch
 from torch import nn
 
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name, unwrapped_name
+from .errors import SyncError
 
 __all__ = ["PeftMerge", "UnsupportedAdapterError"]
 
 
-class UnsupportedAdapterError(ValueError):
-    """An adapter type whose merge is not a plain additive delta on the base weight."""
+class UnsupportedAdapterError(SyncError, ValueError):
+    """An adapter type whose merge is not a plain additive delta on the base weight. A `SyncError` (every error a sync
+    raises is one) and a `ValueError`: raised in a sync, it reaches the caller as itself on the rank that found it."""
 
 
 @dataclass(frozen=True)

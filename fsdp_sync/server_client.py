@@ -146,6 +146,28 @@ class ServerClient(HTTPVLLMWeightSyncClient):
     def reset_prefix_cache(self) -> None:
         self._request("POST", "reset_prefix_cache")
 
+    def engine_fixes(self) -> frozenset[str]:
+        """The reload fixes every worker of the server applies to every weight-transfer engine (this package's
+        plugin, installed in the server's environment, adds them; `compat.vllm_patches.ENGINE_FIXES_METHOD`); empty
+        where the server cannot say (this package is not installed there, or the development routes are off)."""
+        from fsdp_sync.compat.vllm_patches import ENGINE_FIXES_METHOD
+
+        try:
+            answer = self._request("POST", "collective_rpc", json={"method": ENGINE_FIXES_METHOD})
+        except (ServerConfigError, ServerRequestError):
+            return frozenset()
+        workers = [set(w) for w in (answer or {}).get("results", []) if isinstance(w, list)]
+        return frozenset(set.intersection(*workers)) if workers else frozenset()
+
+    def pause(self) -> None:
+        """Stop scheduling generation; requests in flight are kept, not aborted (vLLM's `/pause?mode=keep`, what
+        TRL's async trainer asks for), and go on from where they were at `resume`."""
+        self._request("POST", "pause", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        """Schedule generation again after `pause` (vLLM's `/resume`)."""
+        self._request("POST", "resume")
+
     def weight_version(self, timeout: float | None = None) -> str:
         """The version of the weights the server holds (vLLM's `/weight_info`; `"default"` after start-up).
 

@@ -97,6 +97,10 @@ class _Writing:
                 if self.versions is not None:
                     self.versions.stamp(self.stamps.next())
             except Exception as e:
+                # NOTE: a writer whose finish writes (a staged server push, written under its pause) says what the
+                # engine holds after it failed; the write's own account ("current") no longer stands.
+                if isinstance(e, SyncError) and e.engine is not None:
+                    engine = e.engine
                 rounds.fail("push", e)
         return engine
 

@@ -24,7 +24,14 @@ Protocol (both sides compute the same chunking from the metadata, so nothing but
   place through vLLM's `load_checkpoint_weight_patches` (`fsdp_sync.compat.patch_api`), outside the layer-wise reload,
   which a sparse update never starts. On vLLM-CPU the linear weights must have been kept unpacked from the start:
   start the server with `FSDP_VLLM_SYNC_SPARSE=1` (the plugin then applies `keep_cpu_linear_weights`).
-- memory: one chunk in flight on each side, plus what the layer-wise reload keeps until its layer is complete.
+- a staged update (`stage="receive"`, then `stage="apply"`; the async trainer's writer, which pauses the server only
+  for the write): the `/update_weights` request that announces an update returns at once, and a thread of each worker
+  receives its chunks into host memory while the engine keeps generating; a later `/update_weights` with
+  `stage="apply"` (sent with the server paused) writes every update received so far, in order (dense through the
+  reload, then patches), and nothing reaches the engine before that: an update aborted or failed while staging
+  leaves the engine unchanged. Costs the staged bytes in the server's host memory until they are written.
+- memory: one chunk in flight on each side, plus what the layer-wise reload keeps until its layer is complete (staged
+  updates: every chunk of the updates staged for one write).
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ _STORE_PREFIX = "fsdp_vllm_sync/gloo"
 # The status trailer of every chunk: its first byte says whether the chunk carries data or aborts the update.
 _TRAILER = _ALIGN
 _DATA, _ABORT = 1, 2
+STAGE_RECEIVE, STAGE_APPLY = "receive", "apply"
 
 
 class UpdateAborted(RuntimeError):
@@ -191,6 +199,22 @@ def _broadcast(group: dist.ProcessGroupGloo, buffer: torch.Tensor) -> Any:
     return group.broadcast([buffer], options)
 
 
+def _received_chunks(
+    group: dist.ProcessGroupGloo, sizes: Sequence[int], buffer_bytes: int, aborted: str
+) -> Iterator[tuple[Chunk, torch.Tensor]]:
+    """The chunks of one update as they arrive (each buffer ends with its status trailer).
+
+    Raises:
+        UpdateAborted: the trainer marked a chunk `_ABORT` (its stream failed); `aborted` says where.
+    """
+    for chunk in plan_chunks(sizes, buffer_bytes):
+        buffer = torch.empty(chunk.nbytes + _TRAILER, dtype=torch.uint8)
+        _broadcast(group, buffer).wait()
+        if int(buffer[chunk.nbytes]) != _DATA:
+            raise UpdateAborted(f"the trainer aborted the update {aborted}")
+        yield chunk, buffer
+
+
 @dataclass(kw_only=True)
 class GlooWorkerInitInfo(WeightTransferInitInfo):
     """What each vLLM worker needs to join the trainer's group (sent by the trainer at the handshake)."""
@@ -212,8 +236,13 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     counts: list[int] | None = None
+    # None: received and written now; "receive": received into host memory and kept (staged); "apply": write what was
+    # staged (its names, dtypes and shapes are empty).
+    stage: str | None = None
 
     def __post_init__(self) -> None:
+        if self.stage not in (None, STAGE_RECEIVE, STAGE_APPLY):
+            raise ValueError(f"stage={self.stage!r}; valid: None, {STAGE_RECEIVE!r}, {STAGE_APPLY!r}")
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(
                 f"names, dtype_names and shapes must have one entry per tensor; got {len(self.names)}, "
@@ -264,11 +293,12 @@ class _DenseRound:
         # What the reload writes in place as it arrives (biases), for a round that ends part-way.
         self.eager = eager_reload_tensors(model)
 
-    def receive(self, info: GlooUpdateInfo) -> None:
+    def receive(self, info: GlooUpdateInfo, received: Iterable[tuple[Chunk, torch.Tensor]] | None = None) -> None:
+        """Load one update's tensors inside the reload: its chunks as they arrive, or `received` (staged)."""
         if not self.reloading:
             self._begin()
         try:
-            self.chunks(info)
+            self.chunks(info, received)
         except Exception as e:
             # NOTE: the layer-wise reload has moved every layer to the meta device; without finalising, the engine
             # cannot generate at all. Layers that received part of their weights are given their previous ones back
@@ -294,19 +324,17 @@ class _DenseRound:
                 "the next complete update replaces them all."
             ) from e
 
-    def chunks(self, info: GlooUpdateInfo) -> None:
-        """Receive the update's chunks and hand their tensors to the model's loader (inside the reload)."""
+    def chunks(self, info: GlooUpdateInfo, received: Iterable[tuple[Chunk, torch.Tensor]] | None = None) -> None:
+        """Receive the update's chunks (or take the staged ones, `received`) and hand their tensors to the model's
+        loader (inside the reload)."""
         from fsdp_sync.compat.reload_api import partial_loads
 
-        group = self.engine.joined()
         dtypes = info.dtypes()
         sizes = [_nbytes(d, s) for d, s in zip(dtypes, info.shapes)]
+        if received is None:
+            received = _received_chunks(self.engine.joined(), sizes, self.engine.buffer_bytes, "part-way")
         with partial_loads():
-            for chunk in plan_chunks(sizes, self.engine.buffer_bytes):
-                buffer = torch.empty(chunk.nbytes + _TRAILER, dtype=torch.uint8)
-                _broadcast(group, buffer).wait()
-                if int(buffer[chunk.nbytes]) != _DATA:
-                    raise UpdateAborted(f"the trainer aborted the update before tensor {info.names[chunk.start]!r}")
+            for chunk, buffer in received:
                 weights = []
                 for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
                     flat = buffer[offset : offset + sizes[i]].view(dtypes[i])
@@ -334,19 +362,18 @@ class _PatchRound:
         self.engine = engine
         self.patcher: Any = None
 
-    def receive(self, info: GlooUpdateInfo) -> None:
+    def receive(self, info: GlooUpdateInfo, received: Iterable[tuple[Chunk, torch.Tensor]] | None = None) -> None:
+        """Receive one sparse update (or take the staged chunks, `received`) and write it in place."""
         from fsdp_sync.compat.patch_write import EnginePatcher
         from fsdp_sync.sync.patches import decode_patch
 
-        group, model = self.engine.joined(), self.engine.model
+        model = self.engine.model
         started = time.perf_counter()
         sizes = info.segment_sizes()
+        if received is None:
+            received = _received_chunks(self.engine.joined(), sizes, self.engine.buffer_bytes, "(sparse)")
         segments: list[torch.Tensor] = []
-        for chunk in plan_chunks(sizes, self.engine.buffer_bytes):
-            buffer = torch.empty(chunk.nbytes + _TRAILER, dtype=torch.uint8)
-            _broadcast(group, buffer).wait()
-            if int(buffer[chunk.nbytes]) != _DATA:
-                raise UpdateAborted("the trainer aborted the sparse update")
+        for chunk, buffer in received:
             segments += [buffer[o : o + sizes[i]] for i, o in zip(range(chunk.start, chunk.stop), chunk.offsets)]
         patches = [
             decode_patch(name, tuple(shape), dtype, *segments[3 * k : 3 * k + 3])
@@ -367,6 +394,62 @@ class _PatchRound:
         )
 
 
+class _Staging:
+    """Updates received ahead of their write (`stage="receive"`), written together on `stage="apply"`.
+
+    NOTE: one receiving thread per engine, so the staged updates' broadcasts are received in the order the trainer
+    sends them (two threads on one gloo group would interleave). The engine core is free meanwhile: the request that
+    announced the update has returned, and the model keeps generating from its current weights.
+    """
+
+    def __init__(self, engine: GlooWeightTransferEngine) -> None:
+        self.engine = engine
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fvs-gloo-stage")
+        self.rounds: list[tuple[GlooUpdateInfo, Future]] = []
+
+    def receive(self, info: GlooUpdateInfo) -> None:
+        """Start receiving `info`'s chunks into host memory; returns at once."""
+        group, buffer_bytes = self.engine.joined(), self.engine.buffer_bytes
+        if info.counts is not None:
+            sizes = info.segment_sizes()
+        else:
+            sizes = [_nbytes(d, s) for d, s in zip(info.dtypes(), info.shapes)]
+        where = "(sparse, staged)" if info.counts is not None else "(staged)"
+        self.rounds.append((info, self.pool.submit(lambda: list(_received_chunks(group, sizes, buffer_bytes, where)))))
+
+    def apply(self, timeout_s: float) -> None:
+        """Write every staged update, in the order received: dense ones through the reload (finalised before the
+        next), then patches. Nothing is written unless every staged update arrived whole.
+
+        Raises:
+            RuntimeError: a staged update failed or was aborted while receiving (the engine is unchanged), or was
+                not complete within `timeout_s`.
+        """
+        rounds, self.rounds = self.rounds, []
+        received: list[tuple[GlooUpdateInfo, list[tuple[Chunk, torch.Tensor]]]] = []
+        for info, future in rounds:
+            try:
+                received.append((info, future.result(timeout=timeout_s)))
+            except Exception as e:
+                raise RuntimeError(
+                    f"gloo weight transfer: a staged update did not arrive whole ({type(e).__name__}: {e}); nothing "
+                    "was written, the engine holds its previous weights."
+                ) from e
+        dense, patches = self.engine._dense, self.engine._patches
+        for info, chunks in received:
+            if info.counts is not None:
+                patches.receive(info, chunks)
+            elif info.names:
+                dense.receive(info, chunks)
+                dense.finish()
+
+    def drop(self) -> None:
+        """Forget updates staged and never applied (a round the trainer abandoned)."""
+        if self.rounds:
+            logger.warning("gloo weight transfer: %d staged update(s) were never applied; dropped", len(self.rounds))
+        self.rounds = []
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpdateInfo]):
     """Worker side (inside the vLLM server): joins the trainer's group and receives each update in the round the
     update announces: dense (`_DenseRound`) or sparse (`_PatchRound`)."""
@@ -380,8 +463,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         super().__init__(config, vllm_config, device, model)
         self.group: dist.ProcessGroupGloo | None = None
         self.buffer_bytes = DEFAULT_BUFFER_BYTES
+        self.timeout_s = DEFAULT_TIMEOUT_S
         self._dense = _DenseRound(self)
         self._patches = _PatchRound(self)
+        self._staging = _Staging(self)
 
     def _worker_rank(self) -> int:
         # Unique across data-parallel replicas, as vLLM's NCCL backend numbers its workers.
@@ -397,6 +482,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         """Join the trainer's group; a new trainer (a restarted job) replaces the previous one."""
         self.shutdown()
         self.buffer_bytes = init_info.buffer_bytes
+        self.timeout_s = init_info.timeout_s
+        # A new trainer's rounds are received in order on a new thread (one left blocked on the previous group ends
+        # with that group's error).
+        self._staging = _Staging(self)
         rank = init_info.rank_offset + self._worker_rank()
         self.group = _open_group(
             init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
@@ -409,15 +498,25 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
 
     def finish_weight_update(self) -> None:
         self._dense.finish()
+        self._staging.drop()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one update and load it.
+        """Receive one update and load it; or stage it (`stage="receive"`), or write the staged ones
+        (`stage="apply"`).
 
         Overrides the base class, which ends with `torch.accelerator.synchronize()`: that raises on a CPU-only torch,
         and the loads here are synchronous copies from host memory.
         """
         info = self.parse_update_info(update_info)
-        (self._patches if info.counts is not None else self._dense).receive(info)
+        match info.stage:
+            case None:
+                (self._patches if info.counts is not None else self._dense).receive(info)
+            case "receive":
+                self._staging.receive(info)
+            case "apply":
+                self._staging.apply(self.timeout_s)
+            case other:
+                raise ValueError(f"stage={other!r}; valid: None, 'receive', 'apply'")
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         """vLLM's receiving step of a dense update (the chunks, into a reload `update_weights` began)."""
@@ -501,6 +600,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.deadline: float | None = None
         # Chunks of data broadcast in the current round (0 until one is): whether the server can hold anything new.
         self.data_chunks = 0
+        # Staged rounds (the writer sets it): each update is received into the server's host memory and written only
+        # at `commit`, which the writer calls with the server paused.
+        self.staged = False
+        # A weight-update session is open on the server (staged rounds keep it open until `commit`).
+        self._session = False
 
     @classmethod
     def trainer_init(
@@ -593,7 +697,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             shapes=[list(m.shape) for m in meta],
         )
         self.data_chunks = 0
-        self.client.start_weight_update()
+        self._start(update)
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             answer = pool.submit(self.client.update_weights, asdict(update))
@@ -602,7 +706,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         finally:
             # Never join the request thread here: after a failed broadcast the server may still be waiting.
             pool.shutdown(wait=False)
-        self.client.finish_weight_update()
+        self._end()
 
     def _broadcast_stream(self, source: Iterable[tuple[str, torch.Tensor]], meta: list[ParamMeta], answer: Future) -> None:
         """Pack the stream into chunks and broadcast each; one chunk on the wire while the next one fills. A failure
@@ -628,7 +732,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             if in_flight is not None:
                 self._wait(in_flight[0])
             in_flight = (_broadcast(self.group, buffer), buffer)
-            self.data_chunks += 1
+            if not self.staged:  # a staged chunk is kept in the server's host memory, not written
+                self.data_chunks += 1
         if in_flight is not None:
             self._wait(in_flight[0])
         for name, _ in stream:  # the metadata was shorter than the stream
@@ -656,18 +761,54 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if [m.shape[0] for m in segments] != update.segment_sizes():
             raise AssertionError("sparse update: the encoded segments disagree with GlooUpdateInfo.segment_sizes")
         self.data_chunks = 0
-        self.client.start_weight_update()
+        self._start(update)
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             answer = pool.submit(self.client.update_weights, asdict(update))
             self._broadcast_stream(tensors, segments, answer)
             # NOTE: the workers write only once every chunk arrived; before that the engine is unchanged.
-            self.data_chunks = max(self.data_chunks, 1)
+            self.data_chunks = 0 if self.staged else max(self.data_chunks, 1)
             _first_failure([answer], _left(self.timeout_s, self.deadline), "the server's answer to /update_weights")
         finally:
             pool.shutdown(wait=False)
-        self.client.finish_weight_update()
+        self._end()
         return sum(m.shape[0] for m in segments)
+
+    def _start(self, update: GlooUpdateInfo) -> None:
+        """Open the server's weight-update session (a staged round joins the one already open) and mark the update
+        staged where this engine stages."""
+        if self.staged:
+            update.stage = STAGE_RECEIVE
+            # Nothing staged has reached the engine yet.
+            self.data_chunks = 0
+        if not self._session:
+            self.client.start_weight_update()
+            self._session = True
+
+    def _end(self) -> None:
+        """Close the session after a round written now; a staged round's stays open until `commit`."""
+        if self.staged:
+            return
+        self._session = False
+        self.client.finish_weight_update()
+
+    def commit(self) -> None:
+        """Write every staged round into the engine and close the session (call it with the server paused).
+
+        Raises:
+            whatever the server answered: a staged round that did not arrive whole leaves the engine unchanged.
+        """
+        if not self._session:
+            return
+        apply = GlooUpdateInfo(names=[], dtype_names=[], shapes=[], stage=STAGE_APPLY)
+        self.data_chunks = 1  # from here on, the engine may hold new weights
+        self.client.update_weights(asdict(apply))
+        self._session = False
+        self.client.finish_weight_update()
+
+    def abandon(self) -> None:
+        """After a failed round: the server's session is closed by whoever opens the next (the writer)."""
+        self._session = False
 
     def _abort(self, buffer: torch.Tensor, chunk: Chunk, in_flight: tuple[Any, torch.Tensor] | None) -> None:
         """Tell the workers this update ends here: the chunk they expect next, marked `_ABORT` (best effort: a

@@ -32,7 +32,9 @@ SPARSE_ENV = "FSDP_VLLM_SYNC_SPARSE"
 
 def register() -> None:
     """Register every backend of `BACKENDS` in every registry vLLM has; idempotent (vLLM may call plugins twice).
-    With `FSDP_VLLM_SYNC_SPARSE` set, also keep vLLM-CPU's linear weights patchable."""
+    Make every weight-transfer engine of this process apply this package's reload fixes
+    (`compat.vllm_patches.fix_every_weight_transfer_engine`). With `FSDP_VLLM_SYNC_SPARSE` set, also keep vLLM-CPU's
+    linear weights patchable."""
     if os.environ.get(SPARSE_ENV, "") not in ("", "0"):
         try:
             from fsdp_sync.compat.vllm_patches import keep_cpu_linear_weights
@@ -40,6 +42,13 @@ def register() -> None:
             keep_cpu_linear_weights()
         except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
             logger.warning("fsdp-vllm-sync: %s is set but linear weights are not kept (%s: %s)", SPARSE_ENV, type(e).__name__, e)
+    try:
+        from fsdp_sync.compat.vllm_patches import fix_every_weight_transfer_engine
+
+        # NOTE: whatever the backend (vLLM's NCCL one too): the reload fixes reach every engine of this server.
+        fix_every_weight_transfer_engine()
+    except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
+        logger.warning("fsdp-vllm-sync: the reload fixes are not installed (%s: %s)", type(e).__name__, e)
     try:
         from fsdp_sync.compat.weight_transfer import register_backends
 

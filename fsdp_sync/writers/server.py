@@ -17,10 +17,12 @@ the gathers complete on every rank) before the ranks agree on the outcome (`fsdp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +80,9 @@ class _Transport:
             (`compat.vllm_patches`, e.g. gpt-oss's); without them, the tensors those fixes cover are refused.
         bounded: the trainer engine ends its own waits by the sync's deadline (`bound`); vLLM's NCCL engine keeps
             NCCL's bound on its collectives (the HTTP answers are bounded by the client either way).
+        stages: the backend can receive an update into the server's host memory while the engine keeps generating
+            and write it later (gloo's staged rounds), so a writer that pauses the server pauses it for the write
+            alone; without it (NCCL) the server is paused for the whole send.
     """
 
     retains_tensors: bool
@@ -87,6 +92,7 @@ class _Transport:
     aborts_round: bool
     patches_loaders: bool
     bounded: bool
+    stages: bool
 
 
 _TRANSPORTS: dict[str, _Transport] = {
@@ -106,6 +112,7 @@ _TRANSPORTS: dict[str, _Transport] = {
         aborts_round=False,
         patches_loaders=False,
         bounded=False,
+        stages=False,
     ),
     "gloo": _Transport(
         retains_tensors=False,
@@ -126,6 +133,7 @@ _TRANSPORTS: dict[str, _Transport] = {
         aborts_round=True,
         patches_loaders=True,
         bounded=True,
+        stages=True,
     ),
 }
 SUPPORTED_BACKENDS: tuple[str, ...] = tuple(_TRANSPORTS)
@@ -174,8 +182,11 @@ def check_server(address: ServerAddress, *, timeout_s: float) -> ServerInfo:
     client = ServerClient(address.base_url, timeout=timeout_s)
     client.wait_until_up(address.startup_timeout_s)
     info = client.server_info()
-    transport_for(info)
-    return info
+    transport = transport_for(info)
+    if transport.patches_loaders:
+        return info
+    # NOTE: read on every rank, so that every rank's manifest refuses (or not) the same tensors.
+    return dataclasses.replace(info, engine_fixes=client.engine_fixes())
 
 
 class _UpstreamError(Exception):
@@ -244,6 +255,16 @@ class ServerWriter:
         checkpoint_dir: the checkpoint the server was started from, for the manifest (default: `info.model`).
         buffer_bytes: chunk size on the wire.
         timeout_s: the bound on each wait of the transfer.
+        pause_for_write: pause the server's generation (`/pause?mode=keep`) while the engine's weights change, and
+            resume it after, whatever happened (TRL's async trainer, whose rollouts keep generating during training).
+            Where the transport stages (gloo), everything before the write (the gathers, the checks, the bytes on
+            the wire) runs unpaused; with NCCL the pause covers the send.
+        version_label: what each stamped weight version ends with (the async trainer's next `model_version`), so
+            that the server's `/weight_info` names the policy version the rollouts are labelled with.
+
+    Attributes:
+        last_pause: the last push's pause, `(seconds from the pause request to the resume answer, seconds the write
+            itself took)`; None when it did not pause.
     """
 
     def __init__(
@@ -255,6 +276,8 @@ class ServerWriter:
         checkpoint_dir: str | None = None,
         buffer_bytes: int,
         timeout_s: float,
+        pause_for_write: bool = False,
+        version_label: Callable[[], str] | None = None,
     ) -> None:
         self.client = client
         self.info = info
@@ -278,6 +301,13 @@ class ServerWriter:
         # The server's per-parameter digests as this plan read them (`engine_layout`), for the plan's other
         # questions (`sparse_refusal`, `patch_refusals`); dropped when the plan is announced (`prepare`).
         self._plan_checksums: dict[str, str] | None = None
+        self.pause_for_write = pause_for_write
+        # Decided once: the writes of a sync are staged and committed under a pause (`finish`).
+        self.staged = pause_for_write and self.transport.stages
+        self.version_label = version_label
+        self.last_pause: tuple[float, float] | None = None
+        # A sync began since the last staged round was sent: what a failed sync left staged is dropped first.
+        self._new_sync = True
 
     def manifest(self) -> EngineManifest:
         try:
@@ -294,6 +324,9 @@ class ServerWriter:
         config = Path(self.checkpoint_dir) / "config.json"
         architectures = (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
         gaps = unfixed_reload_gaps(architectures, manifest.tensors)
+        if gaps and "load_gpt_oss_through_weight_loaders" in self.info.engine_fixes:
+            logger.info("weight sync: the server's weight-transfer engines load gpt-oss through weight loaders")
+            gaps = {}
         return dataclasses.replace(manifest, refused=gaps) if gaps else manifest
 
     def prepare(self, planned: Sequence[PlannedTensor]) -> None:
@@ -315,6 +348,8 @@ class ServerWriter:
         """Every wait of this sync (each HTTP answer, the handshake, each chunk) ends by `deadline`
         (`time.monotonic()`), so that a server that stops answering fails the sync on every rank in time."""
         self._deadline = deadline
+        self._new_sync = True
+        self.last_pause = None
         if self.client is not None:
             self.client.deadline = deadline
         if self._engine is not None and self.transport.bounded:
@@ -343,7 +378,11 @@ class ServerWriter:
     def stamp(self, version: str) -> None:
         """Give the server's weights `version` (after a complete push; nothing where its vLLM keeps none)."""
         assert self._versions is not None
-        self._versions.stamp(version)
+        self._versions.stamp(f"{version}:{self.version_label()}" if self.version_label is not None else version)
+
+    def close(self) -> None:
+        """Close the transfer to the server (end of training); a later push sets it up again."""
+        self._drop_transfer()
 
     def _drop_transfer(self) -> None:
         """Close the transfer now (its group port is free when this returns); the next push sets it up again."""
@@ -372,6 +411,7 @@ class ServerWriter:
         )
         init_info = engine_cls.init_info_cls(**fields, rank=0)
         engine = engine_cls.trainer_init(init_info, client=self.client, source=self._source)
+        engine.staged = self.staged
         logger.info(
             "weight sync: %s transfer to %s set up (%d server worker(s), port %d)",
             self.backend,
@@ -385,13 +425,18 @@ class ServerWriter:
         """Close a round a failure left open on the server, and set the transfer up if it is not (first sync, or
         after a failed one); returns the trainer's transfer engine."""
         assert self.client is not None
-        if self._round_open:
-            # A failed round may have left the server's update session open; close it (an error if it is not).
+        left_staged = self._new_sync and self._engine is not None and getattr(self._engine, "_session", False)
+        if self._round_open or left_staged:
+            # A failed round (or a failed sync's staged rounds, never committed) may have left the server's update
+            # session open; close it (an error if it is not): the server drops what was staged.
             try:
                 self.client.finish_weight_update()
             except ServerRequestError:
                 pass
+            if self._engine is not None and hasattr(self._engine, "abandon"):
+                self._engine.abandon()
             self._round_open = False
+        self._new_sync = False
         if self._engine is None:
             self._engine = self._connect()
         elif self.transport.bounded:
@@ -415,7 +460,11 @@ class ServerWriter:
                 stream = _completed_with_placeholders(stream, source_metadata(self._source), cut)
             self._source.feed(stream)
             self._round_open = True
-            self._engine.send_weights()
+            if self.pause_for_write and not self.staged:
+                with self._paused():
+                    self._engine.send_weights()
+            else:
+                self._engine.send_weights()
             self._round_open = False
         except _UpstreamError as e:
             if not self.transport.aborts_round:
@@ -553,5 +602,51 @@ class ServerWriter:
             ) from e
 
     def finish(self) -> None:
+        """End the push: staged rounds are written now, with the server paused (`pause_for_write`); the prefix
+        cache is reset (its blocks were computed from the previous weights)."""
         assert self.client is not None
+        if self.staged:
+            self._commit()
+            return
         self.client.reset_prefix_cache()
+
+    def _commit(self) -> None:
+        """Pause, write what the staged rounds delivered, reset the prefix cache, resume (whatever happened).
+
+        Raises:
+            ServerPushError / ServerTransportError: the write failed; says what the server holds (a staged round
+                that did not arrive whole leaves it unchanged; a write that failed part-way, old or new per layer).
+        """
+        assert self.client is not None and self._engine is not None
+        stage = "commit"
+        try:
+            with self._paused():
+                self._engine.commit()
+                self.client.reset_prefix_cache()
+        except (ServerRequestError, ServerConfigError) as e:
+            raise ServerPushError(
+                f"The vLLM server failed to write the staged weights: {e}.", engine=self._failed(stage, self._engine, e)
+            ) from e
+        except ServerUnavailableError as e:
+            raise ServerTransportError(
+                f"The vLLM server became unreachable ({stage}): {e}.", engine=self._failed(stage, self._engine, e)
+            ) from e
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """The server's generation paused (requests kept, not aborted) for the block, and resumed after it even when
+        it raised; the pause and the write are timed into `last_pause`."""
+        assert self.client is not None
+        asked = time.perf_counter()
+        self.client.pause()
+        paused = time.perf_counter()
+        try:
+            yield
+        finally:
+            wrote = time.perf_counter()
+            try:
+                self.client.resume()
+            except Exception as e:  # noqa: BLE001 - the write's own error, if any, is the one raised
+                logger.error("weight sync: the vLLM server could not be resumed after the write: %s", e)
+                raise
+            self.last_pause = (time.perf_counter() - asked, wrote - paused)

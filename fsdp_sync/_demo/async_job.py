@@ -1,0 +1,252 @@
+"""A short real run of TRL's `AsyncGRPOTrainer` (its rollout worker generating on a real vLLM server), checking the
+server after every weight sync.
+
+Launched once per rank (`accelerate launch ... -m fsdp_sync._demo.async_job`, or plainly for one process); each rank
+writes `<out>/rank<r>.json` with the wrapper type, the sync reports and, per sync (main process), the check:
+- every server weight equals the trainer's full weight bit for bit (the server's own sha256 digests against the
+  trainer's weights taken independently, `grpo_job.full_reference_model`), and its first-token logprobs equal the
+  trainer's model's;
+- the server's weight version names the trainer's `model_version`, and the rollout worker was told that version;
+- the rollouts the trainer consumed carry their policy version (recorded with the trainer's version at that time).
+Before training the trainer's weights are perturbed away from the server's checkpoint, so the first sync must change
+every server weight. `--stock` runs TRL's own sync instead (no mixin), with a gloo stand-in for its NCCL client, and
+records what the server then holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from .grpo_job import PROMPTS, _reward, _wrapper_info, full_reference_model
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--server-url", required=True)
+    p.add_argument("--group-port", type=int, required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--perturb", type=float, default=0.02)
+    p.add_argument("--sparse", action="store_true", help="SyncConfig(sparse=True)")
+    p.add_argument("--no-delta", action="store_true", help="SyncConfig(delta=False)")
+    p.add_argument("--verify", action="store_true", help="SyncConfig(verify=True)")
+    p.add_argument("--check", action="store_true", help="bit-exact server check after every sync")
+    p.add_argument("--stock", action="store_true", help="TRL's own sync (no mixin), with a gloo stand-in for NCCL")
+    p.add_argument("--sync-timeout-s", type=float, default=120.0)
+    p.add_argument(
+        "--fault-at",
+        type=int,
+        default=None,
+        help="make this sync (1-based) fail on the last rank (its gather raises), then sync again by hand",
+    )
+    return p.parse_args(argv)
+
+
+def _setup_env() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _tokenizer(model_dir: str) -> Any:
+    """The tiny model's tokenizer with a chat template TRL's rollout worker can parse responses of (Qwen2.5's)."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = qwen2_5_chat_template
+    return tokenizer
+
+
+class _RolloutVersions:
+    """The policy version of every rollout the trainer consumes (main process), with the trainer's version then."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.seen: list[tuple[int, int]] = []
+        queue = trainer.rollout_queue
+        get = queue.get
+
+        def recorded_get(*args: Any, **kwargs: Any) -> Any:
+            sample = get(*args, **kwargs)
+            self.seen.append((int(sample.model_version), int(trainer.model_version)))
+            return sample
+
+        # NOTE: an instance attribute of the parent's queue; the child got the queue pickled at spawn, without it.
+        queue.get = recorded_get
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from fsdp_sync import FSDPVLLMSyncMixin, SyncConfig
+    from fsdp_sync._demo.async_cpu import enable_async_grpo_on_cpu
+    from fsdp_sync._demo.cpu_fsdp import enable_real_fsdp_on_cpu, restore_fsdp_distributed_type
+    from fsdp_sync._demo.grpo_job import ServerChecker
+    from fsdp_sync.faults import Injector, injecting
+
+    enable_real_fsdp_on_cpu()
+    enable_async_grpo_on_cpu()
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    record: dict[str, Any] = {
+        "rank": rank, "world_size": world, "syncs": [], "checks": [], "errors": [], "pauses": [], "sync_seconds": [],
+    }  # fmt: skip
+    checks: list[dict[str, Any]] = record["checks"]
+    sync_index = {"n": 0}
+
+    class Trainer(FSDPVLLMSyncMixin, AsyncGRPOTrainer):
+        """A user's subclass: checks the server after each sync (what a callback of theirs could do)."""
+
+        def _sync_weight(self) -> None:
+            sync_index["n"] += 1
+            started = time.perf_counter()
+            try:
+                if args.fault_at == sync_index["n"] and rank == world - 1:
+                    with injecting(Injector(lambda point, context: point == "gather.prepare")):
+                        super()._sync_weight()
+                else:
+                    super()._sync_weight()
+            except Exception as e:  # noqa: BLE001 - recorded, then synced again below
+                import requests
+
+                from fsdp_sync.errors import SyncError
+
+                paused = requests.get(f"{args.server_url}/is_paused", timeout=30).json()["is_paused"]
+                record["errors"].append(
+                    {"sync": sync_index["n"], "type": type(e).__name__, "message": str(e)[:2000],
+                     "is_sync_error": isinstance(e, SyncError), "seconds": time.perf_counter() - started,
+                     "model_version": self.model_version, "engine_is_current": self.engine_is_current,
+                     "server_paused_after": paused}  # fmt: skip
+                )
+                if args.fault_at != sync_index["n"]:
+                    raise
+                super()._sync_weight()  # the retry: must be complete and exact
+            record["sync_seconds"].append(time.perf_counter() - started)
+            writer = getattr(self._fvs_sync, "writer", None)
+            record["pauses"].append(getattr(writer, "last_pause", None))
+            checker_step()
+
+    class StockTrainer(AsyncGRPOTrainer):
+        def _sync_weight(self) -> None:
+            sync_index["n"] += 1
+            started = time.perf_counter()
+            super()._sync_weight()
+            record["sync_seconds"].append(time.perf_counter() - started)
+            checker_step()
+
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+    config = AsyncGRPOConfig(
+        output_dir=str(Path(args.out_dir) / "trainer"),
+        vllm_server_base_url=args.server_url,
+        vllm_server_timeout=120,
+        max_steps=args.steps,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=8,
+        weight_sync_steps=1,
+        max_staleness=4,
+        queue_maxsize=32,
+        max_inflight_tasks=4,
+        learning_rate=args.lr,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        seed=0,
+    )
+    tokenizer = _tokenizer(args.model_dir)
+    stand_in = None
+    if args.stock:
+        from fsdp_sync._demo.stock_async import GlooStandIn
+
+        stand_in = GlooStandIn(args.server_url, args.group_port) if rank == 0 else None
+        trainer = StockTrainer(
+            model=args.model_dir, reward_funcs=_reward, args=config, train_dataset=dataset, processing_class=tokenizer,
+            weight_transfer=stand_in,
+        )  # fmt: skip
+        if stand_in is not None:
+            stand_in.describe(trainer.model)
+    else:
+        sync_config = SyncConfig(
+            group_port=args.group_port,
+            sparse=args.sparse,
+            delta=not args.no_delta,
+            verify=args.verify,
+            sync_timeout_s=args.sync_timeout_s,
+            server_timeout_s=min(args.sync_timeout_s - 5, 60.0),
+        )
+        trainer = Trainer(
+            model=args.model_dir, reward_funcs=_reward, args=config, train_dataset=dataset, processing_class=tokenizer,
+            sync_config=sync_config,
+        )  # fmt: skip
+    restore_fsdp_distributed_type(trainer)
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * args.perturb)
+    versions = _RolloutVersions(trainer) if trainer.accelerator.is_main_process else None
+    checker = ServerChecker(trainer, None, args.server_url) if args.check else None
+
+    def checker_step() -> None:
+        if checker is None:
+            return
+        # NOTE: the trainer's config asks for TRL's tree attention (its packed training rows); the reference model the
+        # check builds from it runs plain sequences, so it is built with torch's attention, and the config restored.
+        config = trainer.accelerator.unwrap_model(trainer.model).config
+        attention = config._attn_implementation
+        config._attn_implementation = "sdpa"
+        try:
+            checker()  # every rank: the reference gather is a collective
+        finally:
+            config._attn_implementation = attention
+        entry = checker.records[-1]
+        entry.pop("greedy", None)
+        entry["model_version"] = trainer.model_version
+        entry["server_weight_version"] = checker.client.weight_version()
+        worker = trainer.rollout_worker
+        entry["rollout_worker_version"] = worker.model_version if worker is not None else None
+        checks.append(entry)
+
+    trainer.train()
+    record["wrapper"] = _wrapper_info(trainer.model_wrapped)
+    record["model_version"] = trainer.model_version
+    record["syncs"] = [r.__dict__ for r in getattr(trainer, "sync_reports", [])]
+    record["rollout_versions"] = versions.seen if versions is not None else []
+    if stand_in is not None:
+        record["pauses"] = [(paused, None) for paused in stand_in.pauses]
+        record["stock_bytes"] = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in stand_in.manifest)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    _setup_env()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        record = run(args)
+        code = 0
+    except BaseException as e:  # noqa: BLE001 - recorded for the test
+        record = {"rank": rank, "fatal": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        code = 1
+    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1, default=str))
+    sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

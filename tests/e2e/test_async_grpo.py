@@ -1,0 +1,169 @@
+"""TRL's experimental `AsyncGRPOTrainer` with the mixin, on the real stack: its real rollout worker (a spawned
+process) generating on a real vLLM server (CPU build, gloo weight transfer, the session's shared server), 1 or 2 gloo
+ranks under FSDP1 or FSDP2 through `accelerate launch`.
+
+After every sync, every server weight equals the trainer's full weight bit for bit (the server's own digests) and its
+logprobs equal the trainer's model's; the server's weight version names the trainer's `model_version`, which the
+rollout worker was told; the server was paused only around the write. A sync that fails on one rank fails on every
+rank with a `SyncError`, leaves `model_version` and the server's generation as they were, and the next sync is
+complete and exact. The stock trainer (TRL's own sync, a gloo stand-in for its NCCL client) is recorded as it
+behaves: FSDP1 sends each rank's flat shard and leaves the server paused; FSDP2 reaches the server, unversioned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import requests
+
+from fsdp_sync._demo.dist import free_port
+from fsdp_sync._demo.launch import LaunchResult, launch_job
+from fsdp_sync._demo.vllm_server import VLLMServerProcess
+
+pytestmark = pytest.mark.e2e
+
+JOB = "fsdp_sync._demo.async_job"
+
+
+def _run(
+    model_dir: Path, out: Path, server: VLLMServerProcess, backend: str, *extra: str, use_orig_params: bool = True
+) -> LaunchResult:
+    args = ["--model-dir", str(model_dir), "--out-dir", str(out), "--server-url", server.base_url,
+            "--group-port", str(free_port()), *extra]  # fmt: skip
+    ranks = 1 if backend == "single" else 2
+    return launch_job(JOB, args, out, backend=backend, num_processes=ranks, use_orig_params=use_orig_params, timeout=900)
+
+
+def _wrapper_ok(wrapper: dict, backend: str) -> bool:
+    match backend:
+        case "fsdp1":
+            return wrapper["is_fsdp1"]
+        case "fsdp2":
+            return wrapper["is_fsdp2"]
+        case "single":
+            return not (wrapper["is_fsdp1"] or wrapper["is_fsdp2"] or wrapper["is_ddp"])
+    raise ValueError(backend)
+
+
+def _assert_exact_every_sync(result: LaunchResult, backend: str, syncs: int) -> list[dict]:
+    assert result.returncode == 0, result.log[-6000:]
+    ranks = result.ranks
+    assert len(ranks) == (1 if backend == "single" else 2), result.log[-3000:]
+    for r in ranks:
+        assert "fatal" not in r, r.get("traceback")
+        assert _wrapper_ok(r["wrapper"], backend), r["wrapper"]
+        assert len(r["checks"]) == syncs, r["checks"]
+        for version, check in enumerate(r["checks"], start=1):
+            assert _wrapper_ok(check["wrapper"], backend), check["wrapper"]
+            assert check["engine_weights"] > 0 and check["direct_checked"] == check["engine_weights"], check
+            assert check["direct_problems"] == [], check["direct_problems"]
+            assert check["logits_problems"] == [], check["logits_problems"]
+            # The policy version the trainer, the server and (main process) the rollout worker agree on.
+            assert check["model_version"] == version, check
+            assert check["server_weight_version"].endswith(f":v{version}"), check
+            if r["rank"] == 0:
+                assert check["rollout_worker_version"] == version, check
+        assert r["model_version"] == syncs
+        reports = [s for s in r["syncs"] if s["ok"]]
+        assert reports[0]["complete"] and all(s["writer"] == "server:gloo" for s in reports)
+    main = ranks[0]
+    # Paused only around the write: every sync paused the server once, and the write is inside the pause.
+    pauses = [p for p in main["pauses"] if p is not None]
+    assert len(pauses) == syncs, main["pauses"]
+    assert all(0 < write <= paused for paused, write in pauses), pauses
+    # Rollouts carry the policy version they were generated with: never newer than the trainer's, never older than
+    # the trainer's staleness bound, and from the first synced version on (the worker starts after the first sync).
+    assert main["rollout_versions"], "the trainer consumed no rollout"
+    assert all(1 <= sample <= now and now - sample <= 4 for sample, now in main["rollout_versions"])
+    return ranks
+
+
+def test_async_grpo_fsdp2_with_a_failed_sync(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
+    """FSDP2, 2 ranks, verify on; the third sync fails on rank 1 (its gather raises): both ranks raise a SyncError at
+    once, `model_version` stays, the server is not left paused, and the retry is complete and exact."""
+    result = _run(checkpoints("qwen2"), tmp_path, server, "fsdp2", "--steps", "3", "--check", "--verify",
+                  "--fault-at", "3")  # fmt: skip
+    ranks = _assert_exact_every_sync(result, "fsdp2", syncs=4)
+    for r in ranks:
+        [error] = r["errors"]
+        assert error["sync"] == 3 and error["is_sync_error"], error
+        assert "failed on rank 1" in error["message"] and "gather" in error["message"], error
+        assert error["seconds"] < 10, error
+        assert error["model_version"] == 2 and not error["engine_is_current"], error
+        assert error["server_paused_after"] is False, error
+        failed = [s for s in r["syncs"] if not s["ok"]]
+        assert len(failed) == 1
+        retry = r["syncs"][r["syncs"].index(failed[0]) + 1]
+        assert retry["ok"] and retry["complete"], retry
+    # The sender compared the server's own digests with what it sent, after every sync (16 engine weights).
+    assert all(s["verified"] == 16 for s in ranks[0]["syncs"] if s["ok"]), ranks[0]["syncs"]
+
+
+def test_async_grpo_fsdp1_flat_parameters(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
+    """FSDP1 with flat parameters (`use_orig_params=False`), 2 ranks: what TRL's own async sync cannot do."""
+    result = _run(checkpoints("qwen2"), tmp_path, server, "fsdp1", "--steps", "3", "--check", use_orig_params=False)
+    _assert_exact_every_sync(result, "fsdp1", syncs=4)
+
+
+def test_async_grpo_single_process(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
+    result = _run(checkpoints("qwen2"), tmp_path, server, "single", "--steps", "2", "--check")
+    _assert_exact_every_sync(result, "single", syncs=3)
+
+
+def test_stock_async_grpo_fsdp1_sends_shards_and_leaves_the_server_paused(
+    server: VLLMServerProcess, checkpoints, tmp_path: Path
+) -> None:
+    """What TRL 1.16's own async sync does under FSDP1 (2 ranks; its manifest, pause and stream, over gloo): its
+    stream yields rank 0's flat shard where the manifest announced the full weight; the sync dies on both ranks and
+    the server stays paused (TRL resumes only after a send that succeeded)."""
+    try:
+        result = _run(checkpoints("qwen2"), tmp_path, server, "fsdp1", "--steps", "1", "--check", "--stock")
+        assert result.returncode != 0
+        main = result.ranks[0]
+        assert "disagrees with the announced metadata" in main["fatal"], main.get("fatal")
+        assert "(512, 128)" in main["fatal"] and "(32832,)" in main["fatal"], main["fatal"]
+        assert requests.get(f"{server.base_url}/is_paused", timeout=30).json()["is_paused"] is True
+    finally:
+        requests.post(f"{server.base_url}/resume", timeout=30)
+
+
+def test_stock_async_grpo_fsdp2_is_exact_but_unversioned(
+    server: VLLMServerProcess, checkpoints, tmp_path: Path
+) -> None:
+    """TRL's own async sync under FSDP2 (2 ranks, over gloo): the weights reach the server, but its weight version
+    is never set (the rollouts' `model_version` and `/weight_info` do not agree), nothing checks what the server
+    holds, and the pause covers the gathers."""
+    result = _run(checkpoints("qwen2"), tmp_path, server, "fsdp2", "--steps", "1", "--check", "--stock")
+    assert result.returncode == 0, result.log[-4000:]
+    main = result.ranks[0]
+    assert all(c["direct_problems"] == [] for c in main["checks"]), main["checks"]
+    assert [c["model_version"] for c in main["checks"]] == [1, 2]
+    assert not any(c["server_weight_version"].endswith(f":v{c['model_version']}") for c in main["checks"])
+    assert len(main["pauses"]) == 2 and all(paused > 0 for paused, _ in main["pauses"])
+
+
+def test_async_grpo_server_that_does_not_answer(checkpoints, tmp_path: Path) -> None:
+    """A `vllm_server_base_url` nobody answers: the mixin says so before the trainer is built (every rank checks)."""
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from fsdp_sync import FSDPVLLMSyncMixin
+    from fsdp_sync.server_client import ServerUnavailableError
+
+    class Trainer(FSDPVLLMSyncMixin, AsyncGRPOTrainer):
+        pass
+
+    url = f"http://127.0.0.1:{free_port()}"
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=url, vllm_server_timeout=3, use_cpu=True,
+                             report_to=[])  # fmt: skip
+    with pytest.raises(ServerUnavailableError, match="not up after 3 s"):
+        Trainer(model=str(checkpoints("qwen2")), args=config)
+
+
+def test_a_server_with_this_package_fixes_every_weight_transfer_engine(server: VLLMServerProcess) -> None:
+    """The plugin runs in the real server's workers: each says its weight-transfer engines apply the reload fixes
+    (what a trainer pushing over vLLM's NCCL backend asks before refusing gpt-oss)."""
+    from fsdp_sync.compat.vllm_patches import ENGINE_FIXES
+    from fsdp_sync.server_client import ServerClient
+
+    assert ServerClient(server.base_url, timeout=60).engine_fixes() == frozenset(ENGINE_FIXES)
