@@ -11,7 +11,8 @@ on the device, one read-back) and the torch reference one tensor at a time (what
 extraction through `Snapshot.diff` with the kernels (two launches) and the torch path (one piece at a time). The
 first repetition's patches and snapshots of both are compared bit for bit (`equal`). Tensors have a Qwen2 model's
 names and shapes (built on the meta device, filled at random on the device). On CPU ranks (a smoke test of this
-code, tiny shapes) the kernel rows run only under `TRITON_INTERPRET=1`.
+code, tiny shapes) the kernel rows run only under `TRITON_INTERPRET=1`. With `--sweep`, extraction also runs at each
+launch shape of `SWEEP` (elements and warps per program), each compared with the torch path at every step.
 """
 
 from __future__ import annotations
@@ -275,10 +276,11 @@ def sweep_rows(models: list[str], reps: int, measured: tuple[torch.device, float
                 seconds, got = _timed(lambda: kernel.diff(pieces), device)
                 want = _diff(reference, pieces, "torch")
                 equal = _same(got, want)
-                assert equal, f"{model_name} chunk {chunk} warps {warps}: the kernel's patches differ from the torch path's"
+                assert equal, f"{model_name} chunk {chunk} warps {warps}: the patches differ from the torch path's"
                 if rep:
                     rows.append({"model": model_name, "what": "extract-sweep", "chunk": chunk, "warps": warps,
-                                 "seconds": seconds, "bytes": numel * 4, "floor_seconds": numel * 4 / rate if rate else None,
+                                 "seconds": seconds, "bytes": numel * 4,
+                                 "floor_seconds": numel * 4 / rate if rate else None,
                                  "changed": sum(p.count for p in got.values()), "equal": equal})  # fmt: skip
         same_snapshot = all(torch.equal(_bits(kernel._held[n][1]), _bits(reference._held[n][1])) for n in values)
         assert same_snapshot, f"{model_name}: the snapshots differ after the sweep"

@@ -9,8 +9,8 @@
     python -m benchmarks.run sparse-sync [--steps 5] [--models ...] [--modes server,colocate]   (whole syncs into vLLM)
     python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU; on CPU
         ranks, e.g. `--models qwen2-layout --world-size 1`, it writes gpu-cpu.*: the host work alone)
-    python -m benchmarks.run kernels [--reps 5] [--models qwen2-7b] [--sources bfloat16,float32] [--sweep]   (the check and
-        sparse extraction alone, against their floors; on CPU ranks only under TRITON_INTERPRET=1, tiny shapes)
+    python -m benchmarks.run kernels [--reps 5] [--models qwen2-7b] [--sources bfloat16,float32] [--sweep]   (the check
+        and sparse extraction alone, against their floors; on CPU ranks only under TRITON_INTERPRET=1, tiny shapes)
     python -m benchmarks.run gpu-suite   (what a GPU session runs: gpu --check, delta --engine buffers, kernels)
     python -m benchmarks.run async [--models qwen2-36m] [--steps 4] [--rounds 2]   (TRL's AsyncGRPOTrainer on a vLLM CPU
         server: each sync and the server's pause, the mixin against TRL's own sync)
@@ -261,7 +261,8 @@ def _gpu(args: argparse.Namespace) -> None:
     replays = [r for r in rows if "graph_replays" in r and r["rank"] == 0]
     notes = [f"- {r['model']} {r['backend']}: ours-flat-graph replayed its CUDA graph in {r['graph_replays']} of "
              f"{args.reps + 1} syncs" for r in replays]  # fmt: skip
-    notes += sorted({f"- {r['model']} {r['backend']}: {r['skipped']}" for r in rows if "skipped" in r and r["rank"] == 0})
+    skipped = [r for r in rows if "skipped" in r and r["rank"] == 0]
+    notes += sorted({f"- {r['model']} {r['backend']}: {r['skipped']}" for r in skipped})
     with (args.results / f"{kind}.md").open("a") as md:
         md.write("\n" + "\n".join(notes) + "\n")
     print("\n".join(notes))

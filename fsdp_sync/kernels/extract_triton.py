@@ -5,7 +5,8 @@ library as for these kernels, so this module is imported where a kernel first ru
 
 Table of a call (int64, column after column, one row per piece): the new values' address, the snapshot's address,
 the element count, the piece's first chunk (chunks of CHUNK elements, numbered across every piece), where the piece
-starts in its full tensor, and whether both addresses are 16-byte aligned (1) or not (0). Beside it, `chunk_row` (int32, one per chunk): the row its chunk belongs to.
+starts in its full tensor, and whether both addresses are 16-byte aligned (1) or not (0). Beside it, `chunk_row`
+(int32, one per chunk): the row its chunk belongs to.
 """
 
 import triton
