@@ -104,6 +104,11 @@ def _measure_backend(
         return report.tensors, report.bytes
 
     methods = {"trl": run_trl, "floor": run_floor}
+    missing = _trl_missing()
+    if missing:
+        # NOTE: a GPU machine without TRL (its image has none) still measures ours against the floor.
+        del methods["trl"]
+        rows.append({"model": model_name, "backend": backend, "method": "trl", "rank": rank, "skipped": missing})
     if world_size > 1:
         # With several ranks the floor is the all-gather of the same bytes: what each rank must receive, at the
         # collective's own bandwidth, measured here.
@@ -139,6 +144,15 @@ def _measure_backend(
     rows.append({"model": model_name, "backend": backend, "method": "ours-flat-graph", "rank": rank,
                  "graph_replays": writers["graph"].copies.replays})  # fmt: skip
     return rows
+
+
+def _trl_missing() -> str | None:
+    """Why TRL's path cannot run here (its import's error), or None."""
+    try:
+        import trl.generation.vllm_generation  # noqa: F401
+    except ImportError as e:
+        return f"TRL's path not measured: {type(e).__name__}: {e}"
+    return None
 
 
 def gpu_worker(rank: int, world_size: int, model_name: str, reps: int, check: bool) -> list[dict[str, Any]]:

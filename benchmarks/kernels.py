@@ -11,7 +11,8 @@ on the device, one read-back) and the torch reference one tensor at a time (what
 extraction through `Snapshot.diff` with the kernels (two launches) and the torch path (one piece at a time). The
 first repetition's patches and snapshots of both are compared bit for bit (`equal`). Tensors have a Qwen2 model's
 names and shapes (built on the meta device, filled at random on the device). On CPU ranks (a smoke test of this
-code, tiny shapes) the kernel rows run only under `TRITON_INTERPRET=1`.
+code, tiny shapes) the kernel rows run only under `TRITON_INTERPRET=1`. With `--sweep`, extraction also runs at each
+launch shape of `SWEEP` (elements and warps per program), each compared with the torch path at every step.
 """
 
 from __future__ import annotations
@@ -170,11 +171,17 @@ def _fits(shapes: dict[str, tuple[int, ...]], source: torch.dtype, device: torch
     return need < 0.85 * free
 
 
-def kernels_rows(models: list[str], sources: list[torch.dtype], reps: int) -> list[dict[str, Any]]:
+def device_and_rate() -> tuple[torch.device, float | None]:
+    """The device the kernels run on and its copy rate (None on the CPU), measured once for every row of a run."""
     from .delta import _copy_rate
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    rate = _copy_rate(device)
+    return device, _copy_rate(device)
+
+
+def kernels_rows(models: list[str], sources: list[torch.dtype], reps: int,
+                 measured: tuple[torch.device, float | None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    device, rate = measured or device_and_rate()
     rows: list[dict[str, Any]] = []
     for model_name in models:
         shapes = _shapes(model_name)
@@ -193,7 +200,7 @@ def kernels_rows(models: list[str], sources: list[torch.dtype], reps: int) -> li
 
 def kernels_table(rows: list[dict[str, Any]]) -> str:
     """Per model, kernel, source dtype and share: median ms of each method, the floor and the ratio."""
-    timed = [r for r in rows if "seconds" in r]
+    timed = [r for r in rows if "seconds" in r and r["what"] != "extract-sweep"]
     keys = sorted({(r["model"], r["what"], r["dtype"], r["share"] or 0.0) for r in timed})
     lines = [
         "| model | what | source | changed | method | tensors | GB read | median ms | floor ms | x floor | "
@@ -223,4 +230,76 @@ def kernels_table(rows: list[dict[str, Any]]) -> str:
     notes += [f"- {r['model']} {r['dtype']} at {r['share']:.0%}: kernel and torch path gave "
               f"{'the same patches and snapshots, bit for bit' if r['equal'] else 'DIFFERENT results'}"
               for r in rows if r["what"] == "extract-equal"]  # fmt: skip
-    return "\n".join(lines + ([""] + notes if notes else []))
+    swept = [r for r in rows if r["what"] == "extract-sweep"]
+    sweep = ["", "Sparse extraction (bfloat16) at each launch shape, compared with the torch path at every step:", "",
+             sweep_table(swept)] if swept else []  # fmt: skip
+    return "\n".join(lines + ([""] + notes if notes else []) + sweep)
+
+
+# The extraction's launch shapes tried by `sweep_rows`: (elements per program, warps per program).
+SWEEP = ((512, 2), (512, 4), (1024, 2), (1024, 4), (2048, 4), (4096, 4), (4096, 8))
+
+
+def sweep_rows(models: list[str], reps: int, measured: tuple[torch.device, float | None] | None = None,
+               share: float = 0.02) -> list[dict[str, Any]]:  # fmt: skip
+    """Sparse extraction (bfloat16 sources, `share` changed) with each launch shape of `SWEEP`, the torch path run
+    after each timed call on its own snapshot of the same steps, compared with it bit for bit at every step.
+
+    Why every step is a fresh optimizer step's worth of changes: a shape timed after another would otherwise find
+    nothing changed (the first call wrote the changes into the snapshot).
+    """
+    from fsdp_sync.gather.base import Piece
+    from fsdp_sync.kernels.extract import Extractor, kind_of
+    from fsdp_sync.sync.sparse import Snapshot
+
+    device, rate = measured or device_and_rate()
+    rows: list[dict[str, Any]] = []
+    for model_name in models:
+        shapes = _shapes(model_name)
+        values = {n: _random(s, torch.bfloat16, device, k).reshape(-1) for k, (n, s) in enumerate(shapes.items())}
+        pieces = [Piece(n, v, 0) for n, v in values.items()]
+        numel = sum(v.numel() for v in values.values())
+        kernel, reference = Snapshot(torch.bfloat16), Snapshot(torch.bfloat16)
+        kernel.take(pieces)
+        reference.take(pieces)
+        first = next(iter(kernel._held.values()))[1]
+        kind = kind_of(pieces[0].values, first)
+        generator = torch.Generator(device=device).manual_seed(2)
+        # One extractor per shape, kept over the steps (its table and scratch size, as in a sync).
+        extractors = {(chunk, warps): Extractor(kind, chunk=chunk, warps=warps) for chunk, warps in SWEEP}
+        for rep in range(reps + 1):  # the first is a warm-up (compilation)
+            for chunk, warps in (SWEEP if rep % 2 else SWEEP[::-1]):
+                for v in values.values():
+                    hit = torch.rand(v.numel(), generator=generator, device=device) < share
+                    v[hit] = (v[hit].float() * 1.5 + 0.25).to(torch.bfloat16)
+                kernel._extractors = {(kind, first.device): extractors[(chunk, warps)]}
+                seconds, got = _timed(lambda: kernel.diff(pieces), device)
+                want = _diff(reference, pieces, "torch")
+                equal = _same(got, want)
+                assert equal, f"{model_name} chunk {chunk} warps {warps}: the patches differ from the torch path's"
+                if rep:
+                    rows.append({"model": model_name, "what": "extract-sweep", "chunk": chunk, "warps": warps,
+                                 "seconds": seconds, "bytes": numel * 4,
+                                 "floor_seconds": numel * 4 / rate if rate else None,
+                                 "changed": sum(p.count for p in got.values()), "equal": equal})  # fmt: skip
+        same_snapshot = all(torch.equal(_bits(kernel._held[n][1]), _bits(reference._held[n][1])) for n in values)
+        assert same_snapshot, f"{model_name}: the snapshots differ after the sweep"
+        del values, pieces, kernel, reference, first, extractors
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+    """Per model and launch shape: median ms, the floor, the ratio."""
+    lines = ["| model | elements per program | warps | median ms | floor ms | x floor | changed |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for key in sorted({(r["model"], r["chunk"], r["warps"]) for r in rows}):
+        mine = [r for r in rows if (r["model"], r["chunk"], r["warps"]) == key]
+        seconds = statistics.median(r["seconds"] for r in mine)
+        floor = mine[0]["floor_seconds"]
+        share = statistics.median(r["changed"] for r in mine) / (mine[0]["bytes"] / 4)
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {seconds * 1e3:.2f} | "
+                     f"{f'{floor * 1e3:.2f}' if floor else 'n/a'} | {f'{seconds / floor:.2f}' if floor else 'n/a'} | "
+                     f"{share:.2%} |")  # fmt: skip
+    return "\n".join(lines)

@@ -10,8 +10,8 @@
     python -m benchmarks.run sparse-sync [--steps 5] [--models ...] [--modes server,colocate]   (whole syncs into vLLM)
     python -m benchmarks.run gpu [--reps 5] [--models qwen2-1.5b,qwen2-7b]   (one process per visible GPU; on CPU
         ranks, e.g. `--models qwen2-layout --world-size 1`, it writes gpu-cpu.*: the host work alone)
-    python -m benchmarks.run kernels [--reps 5] [--models qwen2-7b] [--sources bfloat16,float32]   (the check and
-        sparse extraction alone, against their floors; on CPU ranks only under TRITON_INTERPRET=1, tiny shapes)
+    python -m benchmarks.run kernels [--reps 5] [--models qwen2-7b] [--sources bfloat16,float32] [--sweep]   (the check
+        and sparse extraction alone, against their floors; on CPU ranks only under TRITON_INTERPRET=1, tiny shapes)
     python -m benchmarks.run gpu-suite   (what a GPU session runs: gpu --check, delta --engine buffers, kernels)
     python -m benchmarks.run async [--models qwen2-36m] [--steps 4] [--rounds 2]   (TRL's AsyncGRPOTrainer on a vLLM CPU
         server: each sync and the server's pause, the mixin against TRL's own sync)
@@ -283,6 +283,8 @@ def _gpu(args: argparse.Namespace) -> None:
     replays = [r for r in rows if "graph_replays" in r and r["rank"] == 0]
     notes = [f"- {r['model']} {r['backend']}: ours-flat-graph replayed its CUDA graph in {r['graph_replays']} of "
              f"{args.reps + 1} syncs" for r in replays]  # fmt: skip
+    skipped = [r for r in rows if "skipped" in r and r["rank"] == 0]
+    notes += sorted({f"- {r['model']} {r['backend']}: {r['skipped']}" for r in skipped})
     with (args.results / f"{kind}.md").open("a") as md:
         md.write("\n" + "\n".join(notes) + "\n")
     print("\n".join(notes))
@@ -291,10 +293,13 @@ def _gpu(args: argparse.Namespace) -> None:
 def _kernels(args: argparse.Namespace) -> None:
     import torch
 
-    from .kernels import kernels_rows, kernels_table
+    from .kernels import device_and_rate, kernels_rows, kernels_table, sweep_rows
 
     sources = [getattr(torch, name) for name in args.sources.split(",")]
-    rows = kernels_rows(args.models.split(","), sources, args.reps)
+    measured = device_and_rate()  # one floor for every row
+    rows = kernels_rows(args.models.split(","), sources, args.reps, measured)
+    if args.sweep:
+        rows += sweep_rows(args.models.split(","), args.reps, measured)
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else f"{platform.machine()} CPU (smoke test, Triton interpreter)"
     machine = f"{device}, torch {torch.__version__}"
@@ -344,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels = sub.add_parser("kernels")
     kernels.add_argument("--models", default="qwen2-7b")
     kernels.add_argument("--sources", default="bfloat16,float32")
+    kernels.add_argument("--sweep", action="store_true", help="also time sparse extraction at each launch shape")
     suite = sub.add_parser("gpu-suite")
     asynchronous = sub.add_parser("async")
     asynchronous.add_argument("--models", default="qwen2-36m")

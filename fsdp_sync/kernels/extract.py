@@ -7,14 +7,14 @@ for the device, once per piece: at 7B shapes it ran at 5-6x the bytes' floor on 
 must move is the new values and the snapshot, each read once, and the few changes written: 4 bytes an element from
 bfloat16 shards (6 from float32 ones, cast on the way), plus a few bytes per change.
 
-How: `diff_kernel` (extract_triton.py) reads each chunk of 4096 elements once, compares the bits (after the cast,
-where the piece is float32 and the snapshot bfloat16), and writes the chunk's changes, in order, into a range of a
-scratch buffer reserved with one atomic, and into the snapshot; `compact_kernel` then moves each chunk's range to its
-place in chunk order, as indices into the full tensor, so each piece's changes come out ascending, exactly as the
-torch path gives them. The scratch holds what the last call needed plus a quarter; a call that needs more finishes
-the chunks that did not fit in a second launch (they wrote nothing, not even the snapshot). The table of the pieces'
-addresses is built once and kept while they do not move; one read of a few integers per piece comes back to the
-host, through pinned memory, once per call.
+How: `diff_kernel` (extract_triton.py) reads each chunk of CHUNK elements once, compares the bits (after the cast,
+where the piece is float32 and the snapshot bfloat16), and writes the chunk's changes, in order, as indices into the
+full tensor, into a range of a scratch buffer reserved with one atomic, and into the snapshot; `compact_kernel` then
+copies each chunk's range to its place in chunk order (GROUP chunks a program), so each piece's changes come out
+ascending, exactly as the torch path gives them. The scratch holds what the last call needed plus a quarter; a call
+that needs more finishes the chunks that did not fit in a second launch (they wrote nothing, not even the
+snapshot). The table of the pieces' addresses and the chunk-to-piece map are built once and kept while the pieces do
+not move; one read of a few integers per piece comes back to the host, through pinned memory, once per call.
 """
 
 from __future__ import annotations
@@ -30,10 +30,14 @@ from .runtime import HostReadback
 __all__ = ["Extractor", "Kind", "kind_of"]
 
 # Elements per program: one chunk is read once and held in registers while its changes are counted and compacted.
-# NOTE: not tuned (no GPU was lent when this was written); `python -m benchmarks.run kernels` times the kernels
-# against their floor.
-CHUNK = 4096
-_WARPS = 8
+# NOTE: chosen by `python -m benchmarks.run kernels --sweep` on one H100
+# (benchmarks/results/kernels-h100-2026-12-06.md): at 7B shapes 1024 elements and 4 warps ran at 2.91x the floor,
+# 4096 and 8 at 3.77x, 512 and 2 at 3.31x.
+CHUNK = 1024
+_WARPS = 4
+# Chunks per program of the compaction, and changes of each chunk copied at a time.
+_GROUP = 32
+_BLOCK = 32
 # The scratch of a first call: this share of the elements (more is finished in a second launch).
 _FIRST_SHARE = 64
 
@@ -80,8 +84,8 @@ class _Plan:
 
     table: torch.Tensor
     chunks: int
+    chunk_row: torch.Tensor  # per chunk, the row of its piece (int32), on the device
     last_chunk: torch.Tensor  # per piece, its last chunk (-1: none), on the device
-    search: int
 
 
 class Extractor:
@@ -90,10 +94,14 @@ class Extractor:
 
     Args:
         kind: how the pieces are compared.
+        chunk: elements per program of the extraction (a power of two; `CHUNK` unless a benchmark sweeps it).
+        warps: warps per program of the extraction.
     """
 
-    def __init__(self, kind: Kind) -> None:
+    def __init__(self, kind: Kind, *, chunk: int = CHUNK, warps: int = _WARPS) -> None:
         self.kind = kind
+        self.chunk = chunk
+        self.warps = warps
         self._plan: tuple[tuple[int, ...], _Plan] | None = None
         self._readback = HostReadback()
         self._capacity = 0
@@ -116,19 +124,19 @@ class Extractor:
         device = news[0].device
         plan = self._plan_of(news, snapshots, starts, device)
         numel = sum(n.numel() for n in news)
-        capacity = max(self._capacity, numel // _FIRST_SHARE + CHUNK)
+        capacity = max(self._capacity, numel // _FIRST_SHARE + self.chunk)
         bits_dtype = torch.int32 if self.kind.mode == 1 else torch.int16
         chunk_counts = torch.empty(plan.chunks, dtype=torch.int32, device=device)
         chunk_base = torch.empty(plan.chunks, dtype=torch.int64, device=device)
         piece_nan = torch.zeros(len(news), dtype=torch.int32, device=device)
         cursor = torch.zeros(1, dtype=torch.int64, device=device)
-        scratch_at = torch.empty(capacity, dtype=torch.int32, device=device)
+        scratch_index = torch.empty(capacity, dtype=torch.int64, device=device)
         scratch_bits = torch.empty(capacity, dtype=bits_dtype, device=device)
         count, kind = len(news), self.kind
-        launch = dict(CHUNK=CHUNK, MODE=kind.mode, NAN_ABOVE=kind.nan_above, SEARCH=plan.search, num_warps=_WARPS)
+        launch = dict(CHUNK=self.chunk, MODE=kind.mode, NAN_ABOVE=kind.nan_above, num_warps=self.warps)
         if plan.chunks:
-            diff_kernel[(plan.chunks,)](plan.table, count, cursor, chunk_counts, chunk_base, piece_nan, cursor,
-                                        scratch_at, scratch_bits, capacity, kind.nan_bits, RESERVED=False,
+            diff_kernel[(plan.chunks,)](plan.table, count, plan.chunk_row, cursor, chunk_counts, chunk_base, piece_nan,
+                                        cursor, scratch_index, scratch_bits, capacity, kind.nan_bits, RESERVED=False,
                                         **launch)  # fmt: skip
         chunk_end = torch.cumsum(chunk_counts, 0)
         if plan.chunks:
@@ -141,21 +149,21 @@ class Extractor:
             # The chunks that did not fit wrote nothing: finish them where they reserved, in a scratch of the size.
             self.relaunched += 1
             ids = torch.nonzero(chunk_base < 0).reshape(-1)
-            wider_at = torch.empty(total, dtype=torch.int32, device=device)
+            wider_index = torch.empty(total, dtype=torch.int64, device=device)
             wider_bits = torch.empty(total, dtype=bits_dtype, device=device)
-            wider_at[:capacity] = scratch_at
+            wider_index[:capacity] = scratch_index
             wider_bits[:capacity] = scratch_bits
-            scratch_at, scratch_bits = wider_at, wider_bits
-            diff_kernel[(ids.numel(),)](plan.table, count, ids, chunk_counts, chunk_base, piece_nan, cursor,
-                                        scratch_at, scratch_bits, total, kind.nan_bits, RESERVED=True,
+            scratch_index, scratch_bits = wider_index, wider_bits
+            diff_kernel[(ids.numel(),)](plan.table, count, plan.chunk_row, ids, chunk_counts, chunk_base, piece_nan,
+                                        cursor, scratch_index, scratch_bits, total, kind.nan_bits, RESERVED=True,
                                         **launch)  # fmt: skip
-        self._capacity = total + total // 4 + CHUNK
+        self._capacity = total + total // 4 + self.chunk
         out_index = torch.empty(total, dtype=torch.int64, device=device)
         out_bits = torch.empty(total, dtype=bits_dtype, device=device)
         if total:
-            compact_kernel[(plan.chunks,)](plan.table, count, chunk_counts, chunk_base, chunk_end, scratch_at,
-                                           scratch_bits, out_index, out_bits, CHUNK=CHUNK, SEARCH=plan.search,
-                                           num_warps=_WARPS)  # fmt: skip
+            compact_kernel[(-(-plan.chunks // _GROUP),)](plan.chunks, chunk_counts, chunk_base, chunk_end,
+                                                         scratch_index, scratch_bits, out_index, out_bits,
+                                                         GROUP=_GROUP, BLOCK=_BLOCK, num_warps=4)  # fmt: skip
         values = out_bits.view(snapshots[0].dtype)
         out: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         begin = 0
@@ -174,20 +182,26 @@ class Extractor:
     ) -> _Plan:
         """The plan of these pieces: kept while their addresses, sizes and starts are the last call's."""
         sizes = [n.numel() for n in news]
-        columns = ([n.data_ptr() for n in news], [s.data_ptr() for s in snapshots], sizes, [], list(starts))
+        addresses = ([n.data_ptr() for n in news], [s.data_ptr() for s in snapshots])
+        aligned = [int(a % 16 == 0 and b % 16 == 0) for a, b in zip(*addresses, strict=True)]
+        columns = (*addresses, sizes, [], list(starts), aligned)
         chunks = 0
         last = []
+        per_piece = []
         for size in sizes:
             columns[3].append(chunks)
-            chunks += -(-size // CHUNK)
+            per_piece.append(-(-size // self.chunk))
+            chunks += per_piece[-1]
             last.append(chunks - 1 if size else -1)
         key = tuple(columns[0]) + tuple(columns[1]) + tuple(sizes) + tuple(starts)
         if self._plan is None or self._plan[0] != key:
+            rows = torch.arange(len(news), dtype=torch.int32, device=device)
             plan = _Plan(
                 table=torch.tensor(columns, dtype=torch.int64).reshape(-1).to(device),
                 chunks=chunks,
+                chunk_row=torch.repeat_interleave(rows, torch.tensor(per_piece, dtype=torch.int64, device=device),
+                                                  output_size=chunks),
                 last_chunk=torch.tensor(last, dtype=torch.int64).to(device),
-                search=max(1, len(news).bit_length()),
             )
             self._plan = (key, plan)
         return self._plan[1]

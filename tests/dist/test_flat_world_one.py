@@ -75,3 +75,29 @@ def test_world_size_one_hands_on_the_current_weights(backend: str, params: str) 
         assert out["kept"] == 3 and out["same_views"], "the units' own flat parameters: views kept between syncs"
     if backend == "fsdp1" and params == "float32":
         assert out["kept"] == 0 and not out["same_views"], "cast on the way: fresh buffers, nothing kept"
+
+
+def unsharded_root(rank: int, world_size: int) -> dict[str, object]:
+    """A flat gatherer made after a forward (FSDP2 leaves the root unsharded until a backward), a sync after the
+    root was resharded."""
+    wrapped = _wrap("fsdp2", torch.bfloat16)
+    with torch.no_grad():
+        wrapped(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device()))
+    gatherer = FSDP2FlatGatherer(wrapped, engine_dtype=torch.bfloat16)
+    wrapped.reshard()
+    meter = MemoryMeter(device())
+    meter.start()
+    got = {canonical_name(n): t.detach().cpu() for n, t in gatherer.iter_full(meter)}
+    reference = _full(wrapped, torch.bfloat16)
+    return {"names": len(got) == len(list(wrapped.parameters())) and set(got) <= set(reference),
+            "unequal": [n for n in got if n in reference and not torch.equal(got[n], reference[n])],
+            "accounted": meter.accounted_peak_bytes}  # fmt: skip
+
+
+def test_fsdp2_root_made_while_unsharded_is_read_from_its_shards() -> None:
+    """Regression (issue 35): the root's parameters, plain while it was unsharded when the gatherer was made, were
+    materialised with `full_tensor()` (an all-gather and a copy) at every sync; they are its local shards like the
+    others (at world size 1 nothing is gathered and nothing is held)."""
+    (out,) = run_distributed(unsharded_root, world_size=1)
+    assert out["names"] and not out["unequal"], out
+    assert out["accounted"] == 0, f"{out['accounted']} bytes materialised: the root's parameters were gathered"

@@ -152,3 +152,57 @@ def test_the_nan_flag_counts_only_changed_values(device: torch.device) -> None:
     assert patches["a"].nan is False and patches["b"].nan is True
     counts = count_changes(["a", "b"], patches)
     assert counts.nan == (False, True) and counts.totals == [1, 1]
+
+
+@pytest.mark.parametrize(("dtype", "engine"), [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                               (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_pieces_at_unaligned_addresses_read_as_aligned_ones(dtype: torch.dtype, engine: torch.dtype,
+                                                            device: torch.device) -> None:  # fmt: skip
+    """Whole chunks of pieces that start between 16-byte words (an FSDP shard can start at any element) take the
+    masked path, those of aligned pieces the aligned one: both give the torch path's patches."""
+    generator = torch.Generator().manual_seed(3)
+    storage = torch.randn(12 * CHUNK + 64, generator=generator).to(dtype).to(device)
+    shifts = [0, 1, 3, 8]
+    before = [Piece(f"p{k}", storage[shift: shift + 2 * CHUNK + 5 * k], 7 * k) for k, shift in enumerate(shifts)]
+    aligned = [p.values.data_ptr() % 16 == 0 for p in before]
+    assert aligned == [True, False, False, True], "both paths are exercised"
+    after = []
+    for piece in before:
+        values = piece.values.clone()  # a fresh (aligned) tensor of the same values ...
+        hit = (torch.rand(values.numel(), generator=generator) < 0.05).to(device)
+        values[hit] = values[hit] * 3 - 1
+        shifted = torch.empty(values.numel() + 1, dtype=dtype, device=device)[1:]  # ... or one that starts unaligned
+        shifted.copy_(values)
+        after.append(Piece(piece.name, shifted if piece.values.data_ptr() % 16 else values, piece.start))
+    _diff_both(before, after, engine)
+
+
+@pytest.mark.parametrize(("chunk", "warps"), [(256, 4), (512, 8), (2048, 4)])
+def test_every_launch_shape_gives_the_torch_path(chunk: int, warps: int, device: torch.device) -> None:
+    """The launch shapes the benchmark sweeps (smaller chunks here, so that the compaction runs more programs of
+    many chunks each than one), at 2% changed and at 70% (more changes in a chunk than one copy block)."""
+    from fsdp_sync.kernels.extract import Extractor
+
+    generator = torch.Generator().manual_seed(4)
+    sizes = [40_000, 0, 5, chunk * 40 + 3]
+    before = [Piece(f"p{k}", torch.randn(n, generator=generator).to(torch.bfloat16).to(device), 11 * k)
+              for k, n in enumerate(sizes)]  # fmt: skip
+    for share in (0.02, 0.7):
+        after = []
+        for piece in before:
+            values = piece.values.clone()
+            hit = (torch.rand(values.numel(), generator=generator) < share).to(device)
+            values[hit] = values[hit] * 2 + 1
+            after.append(Piece(piece.name, values, piece.start))
+        kernel, torch_path = Snapshot(torch.bfloat16), Snapshot(torch.bfloat16)
+        kernel.take(before)
+        torch_path.take(before)
+        kind = kind_of(after[0].values, kernel._held["p0"][1])
+        kernel._extractors[(kind, kernel._held["p0"][1].device)] = Extractor(kind, chunk=chunk, warps=warps)
+        got, want = kernel.diff(after), _reference(torch_path, after)
+        for piece in after:
+            assert torch.equal(got[piece.name].indices, want[piece.name].indices), piece.name
+            assert torch.equal(_bits(got[piece.name].values), _bits(want[piece.name].values)), piece.name
+            assert torch.equal(_bits(kernel._held[piece.name][1]), _bits(torch_path._held[piece.name][1])), piece.name
+        assert sum(p.count for p in got.values()) > share * sum(sizes) / 2
+        before = after
