@@ -32,7 +32,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
 
 _TESTS_ROOT = Path(__file__).resolve().parent
 # Each suite folder is a marker (registered in pyproject.toml), so a local run can pick the fast ones:
-# `pytest tests -m unit` (about 1.5-3 minutes on 2 cores), `-m "not e2e"` (unit and distributed). CI runs everything.
+# `pytest tests -m unit` (about 1-3 minutes on 2 cores), `-m "not e2e"` (unit and distributed). CI runs everything.
 _SUITES = ("unit", "dist", "e2e")
 
 
