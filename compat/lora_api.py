@@ -147,7 +147,12 @@ def _vllm_refusals(config: Mapping[str, Any], limits: LoRALimits) -> list[str]:
 
     helper = PEFTHelper.from_dict(dict(config))
     reasons = list(helper._validate_features())
-    ranks = [helper.r, *helper.rank_pattern.values()]
+    # NOTE: `PEFTHelper.rank_pattern` came after vLLM 0.28 (detected, not compared by version): a vLLM without it
+    # reads every module at the adapter's `r`, so per-module ranks are refused there.
+    pattern = getattr(helper, "rank_pattern", None)
+    if pattern is None and config.get("rank_pattern"):
+        reasons.append("per-module ranks (rank_pattern), which this vLLM does not read")
+    ranks = [helper.r, *(pattern if pattern is not None else config.get("rank_pattern") or {}).values()]
     if max(ranks) > limits.max_lora_rank:
         reasons.append(f"rank {max(ranks)} is above the engine's max_lora_rank {limits.max_lora_rank}")
     if helper.bias != "none":
