@@ -142,6 +142,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     class StockTrainer(AsyncGRPOTrainer):
         def _sync_weight(self) -> None:
             sync_index["n"] += 1
+            # NOTE: written before TRL's sync, which may die (FSDP1): the test asserts the wrapper it ran under.
+            (Path(args.out_dir) / f"wrapper-rank{rank}.json").write_text(json.dumps(_wrapper_info(self.model_wrapped)))
             started = time.perf_counter()
             super()._sync_weight()
             record["sync_seconds"].append(time.perf_counter() - started)

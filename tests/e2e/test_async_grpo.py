@@ -12,6 +12,7 @@ behaves: FSDP1 sends each rank's flat shard and leaves the server paused; FSDP2 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,8 @@ def test_stock_async_grpo_fsdp1_sends_shards_and_leaves_the_server_paused(
     try:
         result = _run(checkpoints("qwen2"), tmp_path, server, "fsdp1", "--steps", "1", "--check", "--stock")
         assert result.returncode != 0
+        for rank in (0, 1):
+            assert json.loads((tmp_path / f"wrapper-rank{rank}.json").read_text())["is_fsdp1"]
         main = result.ranks[0]
         assert "disagrees with the announced metadata" in main["fatal"], main.get("fatal")
         assert "(512, 128)" in main["fatal"] and "(32832,)" in main["fatal"], main["fatal"]
@@ -152,6 +155,7 @@ def test_stock_async_grpo_fsdp2_is_exact_but_unversioned(
     result = _run(checkpoints("qwen2"), tmp_path, server, "fsdp2", "--steps", "1", "--check", "--stock")
     assert result.returncode == 0, result.log[-4000:]
     main = result.ranks[0]
+    assert all(c["wrapper"]["is_fsdp2"] for r in result.ranks for c in r["checks"]) and main["checks"]
     assert all(c["direct_problems"] == [] for c in main["checks"]), main["checks"]
     assert [c["model_version"] for c in main["checks"]] == [1, 2]
     assert not any(c["server_weight_version"].endswith(f":v{c['model_version']}") for c in main["checks"])
