@@ -387,18 +387,7 @@ class AdapterChecker:
         packed = packed_modules(handle.model)
         problems: list[str] = []
         compared = 0
-        for name, value in state.items():
-            parts = name.split(".")
-            kind = next((p for p in parts if p in ("lora_A", "lora_B")), None)
-            if kind is None:
-                continue
-            at = parts.index(kind)
-            module = ".".join(parts[:at]).removeprefix("base_model.model.")
-            parent, _, leaf = module.rpartition(".")
-            engine_module, slot = module, 0
-            for fused, parts_of in packed.items():
-                if leaf in parts_of:
-                    engine_module, slot = f"{parent}.{fused}", parts_of.index(leaf)
+        for name, value, kind, engine_module, slot in _adapter_targets(state, packed):
             a_list, b_list = held.get(engine_module, ([], []))
             got = (a_list if kind == "lora_A" else b_list)[slot] if slot < len(a_list) else None
             expected = value.detach().cpu() if kind == "lora_A" else value.detach().cpu() * scaling
@@ -459,6 +448,23 @@ class UnshardCounter:
             return original(*args, **kwargs)
 
         setattr(owner, attribute, counted)
+
+
+def _adapter_targets(state: dict[str, Any], packed: dict[str, Any]) -> Any:
+    """(trainer key, tensor, "lora_A" or "lora_B", engine module, slot in it) for every adapter tensor of `state`:
+    a module fused in the engine (q/k/v into `qkv_proj`) holds each member's adapter at the member's slot."""
+    for key, value in state.items():
+        parts = key.split(".")
+        kind = next((p for p in parts if p in ("lora_A", "lora_B")), None)
+        if kind is None:
+            continue
+        module = ".".join(parts[: parts.index(kind)]).removeprefix("base_model.model.")
+        parent, _, leaf = module.rpartition(".")
+        engine_module, slot = module, 0
+        for fused, members in packed.items():
+            if leaf in members:
+                engine_module, slot = f"{parent}.{fused}", list(members).index(leaf)
+        yield key, value, kind, engine_module, slot
 
 
 def torch_equal(a: Any, b: Any) -> bool:
@@ -639,17 +645,7 @@ class AdapterServerChecker(ServerChecker):
         packed = packed_modules_for_architectures(list(base_config.architectures or []))
         problems: list[str] = []
         compared = 0
-        for key, value in state.items():
-            parts = key.split(".")
-            kind = next((p for p in parts if p in ("lora_A", "lora_B")), None)
-            if kind is None:
-                continue
-            module = ".".join(parts[: parts.index(kind)]).removeprefix("base_model.model.")
-            parent, _, leaf = module.rpartition(".")
-            engine_module, slot = module, 0
-            for fused, members in packed.items():
-                if leaf in members:
-                    engine_module, slot = f"{parent}.{fused}", list(members).index(leaf)
+        for key, value, kind, engine_module, slot in _adapter_targets(state, packed):
             held = worker["modules"].get(engine_module, {}).get("a" if kind == "lora_A" else "b", [])
             expected = value.detach().cpu().to(info.dtype)
             expected = expected if kind == "lora_A" else expected * scaling
