@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -11,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from .dist import free_port
+from .prefork import PREFORK_ENV, PreforkRefused, run_on_server
 
-__all__ = ["LaunchResult", "accelerate_config", "launch_job"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["LaunchResult", "accelerate_config", "launch_env", "launch_job"]
 
 
 def accelerate_config(
@@ -76,41 +80,68 @@ def launch_job(
     activation_checkpointing: bool = False,
     timeout: float = 900,
     port: int | None = None,
+    share_imports: bool = True,
 ) -> LaunchResult:
     """Run `python -m module job_args` on `num_processes` CPU ranks under `backend` ("single": one plain process).
 
-    Each rank of the job is expected to write `out_dir/rank<r>.json`; they are read back in rank order.
+    Each rank of the job is expected to write `out_dir/rank<r>.json`; they are read back in rank order. Where the
+    test session runs a fork server (`PREFORK_ENV` names its socket) and `share_imports` is on, the ranks are forked
+    from it with the environment `accelerate launch` gives them (see `prefork.py`); otherwise, or when the server
+    refuses the job, `accelerate launch` starts them.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if backend == "single":
-        cmd = [sys.executable, "-m", module, *job_args]
-    else:
-        config = out / "accelerate.json"
-        config.write_text(
-            json.dumps(
-                accelerate_config(
-                    backend,
-                    num_processes,
-                    use_orig_params=use_orig_params,
-                    activation_checkpointing=activation_checkpointing,
-                )
-            )
+    env = launch_env()
+    config = (
+        None
+        if backend == "single"
+        else accelerate_config(
+            backend, num_processes, use_orig_params=use_orig_params, activation_checkpointing=activation_checkpointing
         )
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(config),
-            "--main_process_port",
-            str(port or free_port()),
-            "-m",
-            module,
-            *job_args,
-        ]
-    with open(out / "launch.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False)
+    )
+    port = port or free_port()
+    log_path = out / "launch.log"
+    log_path.write_text("")
+    server = os.environ.get(PREFORK_ENV, "0") if share_imports else "0"
+    returncode: int | None = None
+    refused = ""
+    if server != "0":
+        try:
+            returncode = run_on_server(
+                server,
+                module=module,
+                job_args=job_args,
+                log_path=log_path,
+                env=env,
+                config=config,
+                num_processes=1 if config is None else num_processes,
+                port=port,
+                timeout=timeout,
+            )
+        except PreforkRefused as e:
+            refused = f"[launch] not forked from the fork server ({e}); launched for real\n"
+            logger.warning("launching %s with accelerate instead of the fork server: %s", module, e)
+    if returncode is None:
+        if config is None:
+            cmd = [sys.executable, "-m", module, *job_args]
+        else:
+            config_path = out / "accelerate.json"
+            config_path.write_text(json.dumps(config))
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
+                   "--main_process_port", str(port), "-m", module, *job_args]  # fmt: skip
+        with open(log_path, "w") as log:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False)
+        returncode = proc.returncode
+        if refused:
+            with open(log_path, "a") as log:
+                log.write(refused)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    return LaunchResult(proc.returncode, ranks, (out / "launch.log").read_text())
+    return LaunchResult(returncode, ranks, log_path.read_text())
+
+
+def launch_env() -> dict[str, str]:
+    """The environment every job is launched with (and the fork server started with; the server's socket is not
+    passed on: a job needs none)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop(PREFORK_ENV, None)
+    return env

@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from fsdp_sync._demo.launch import launch_env
+from fsdp_sync._demo.prefork import PREFORK_ENV, PreforkServer
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefork_server(tmp_path_factory: pytest.TempPathFactory):
+    """One fork server for the session's jobs: their ranks are forked from a process that has imported the stack
+    once, instead of each paying the imports (about half of a small job's CPU time; fsdp_sync/_demo/prefork.py).
+    `FSDP_VLLM_SYNC_TEST_PREFORK=0` turns it off (every job then goes through `accelerate launch`)."""
+    if os.environ.get(PREFORK_ENV) == "0":
+        yield None
+        return
+    server = PreforkServer(tmp_path_factory.mktemp("prefork"), launch_env())
+    os.environ[PREFORK_ENV] = server.socket_path
+    try:
+        yield server
+    finally:
+        os.environ.pop(PREFORK_ENV, None)
+        server.close()
 
 
 @pytest.fixture(scope="session")

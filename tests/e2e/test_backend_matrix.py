@@ -16,8 +16,10 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.parametrize("backend", ["fsdp1", "fsdp2", "ddp"])
 def test_grpo_backend_matrix(backend: str, checkpoints, tmp_path) -> None:
+    """Launched the way users launch (`accelerate launch`), not forked from the session's fork server."""
     model_dir = checkpoints("qwen2")
-    result = run_grpo(model_dir, tmp_path, backend)
+    result = run_grpo(model_dir, tmp_path, backend, share_imports=False)
+    assert "[prefork]" not in result.log
     ranks = assert_synced_every_time(result, backend, tensors=checkpoint_tensor_count(model_dir))
     default = {"fsdp1": "fsdp1-flat", "fsdp2": "fsdp2-flat", "ddp": "plain"}[backend]
     assert all(rep["strategy"] == default for r in ranks for rep in r["reports"])
