@@ -21,6 +21,12 @@ from ..distributed import free_port
 
 __all__ = ["free_port", "run_distributed"]
 
+# NOTE: ranks start from a fork server that imported these once per test process (`forkserver`), not from a fresh
+# interpreter each (`spawn`): importing torch and transformers was most of a small distributed test's CPU time on the
+# 2-core CI machine (docs/testing.md). The server holds no thread when it forks; a rank still gets a process and a
+# gloo group of its own.
+_PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "fsdp_sync", "fsdp_sync._demo.dist"]
+
 
 def _entry(
     rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, out: str, clean_exit: bool
@@ -71,6 +77,7 @@ def run_distributed(
     gloo's threads would wait for the collective that never completes).
     """
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo")
+    mp.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory() as out:
         try:
             mp.start_processes(
@@ -78,7 +85,7 @@ def run_distributed(
                 args=(world_size, free_port(), backend, fn, args, out, clean_exit),
                 nprocs=world_size,
                 join=True,
-                start_method="spawn",
+                start_method="forkserver",
             )
         except mp.ProcessExitedException as e:
             written = [r for r in range(world_size) if Path(out, f"rank{r}.pkl").exists()]
