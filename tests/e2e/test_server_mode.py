@@ -204,7 +204,9 @@ def test_trainer_side_on_released_vllm_weight_transfer_code(
     assert (root / "vllm").is_dir(), f"{root} is missing: run .ci/setup (it fetches vLLM {version}'s wheel)"
     model_dir = checkpoints("qwen2")
     args = ["--peft", "--steps", "3", "--vllm-weight-transfer-from", str(root), *_server_args(server.base_url)]
-    result = run_grpo(model_dir, tmp_path, "fsdp2", *args)
+    # NOTE: a fresh interpreter: the release's package must be imported in place of the installed one, which the
+    # session's fork server has imported already (`use_release` refuses then).
+    result = run_grpo(model_dir, tmp_path, "fsdp2", *args, share_imports=False)
     ranks = assert_synced_every_time(result, "fsdp2", steps=3)
     for r in ranks:
         assert r["weight_transfer"]["file"].startswith(str(root)), r["weight_transfer"]
