@@ -62,12 +62,17 @@ class _DenseRound:
         self.engine = engine
         self.reloading = False
         self.eager: dict[str, torch.Tensor] | None = None
+        # Engine parameter name -> the other names of the same tensor (a tied output head), read before the first
+        # reload moves the layers to meta (where the tie is no longer visible).
+        self.ties: dict[str, tuple[str, ...]] | None = None
 
     def _begin(self) -> None:
         from fsdp_sync.compat.reload_api import begin_reload, eager_reload_tensors
         from fsdp_sync.compat.vllm_patches import keep_moe_experts_processed_on_reload, load_gpt_oss_through_weight_loaders
 
         model = self.engine.model
+        if self.ties is None:
+            self.ties = _tied_names(model)
         keep_moe_experts_processed_on_reload(model)
         load_gpt_oss_through_weight_loaders(model)
         begin_reload(model)
@@ -114,12 +119,14 @@ class _DenseRound:
         dtypes, sizes = info.dtypes(), info.tensor_sizes()
         if received is None:
             received = self.engine.receive(info, "part-way")
+        tied = _TiedValues(self.ties or {})
         with partial_loads():
             for chunk, buffer in received:
                 weights = []
                 for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
                     flat = buffer[offset : offset + sizes[i]].view(dtypes[i])
                     weights.append((info.names[i], flat.view(info.shapes[i])))
+                    tied.check(*weights[-1])
                 # The views keep the chunk alive for as long as the layer-wise reload holds them.
                 self.engine.model.load_weights(weights)
                 del weights, buffer
@@ -133,6 +140,45 @@ class _DenseRound:
             end_reload(engine.model, engine.model_config, engine.device)
             refresh_tied_cpu_gemms(engine.model)
             self.reloading = False
+
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each name of a parameter the model holds under several names (a head tied to the embedding) -> its other
+    names."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {n: tuple(o for o in group if o != n) for group in names.values() if len(group) > 1 for n in group}
+
+
+class _TiedValues:
+    """One update's values for names the engine ties into one tensor: they must agree.
+
+    Why: the engine holds one tensor for them (`lm_head.weight` is `model.embed_tokens.weight` with tied
+    embeddings), and vLLM's loader writes each name it is given into it, the last one winning. A trainer whose head
+    and embedding differ (its tie broken, e.g. by assigning the embedding a new parameter: vLLM's `ModuleSource` then
+    sends both) had its embedding silently overwritten by its stale head: the update reported success, the engine's
+    embedding kept its old values and generated from them. Equal values (a state-dict source sends both names) load
+    as before.
+    """
+
+    def __init__(self, ties: dict[str, tuple[str, ...]]) -> None:
+        self.ties = ties
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def check(self, name: str, tensor: torch.Tensor) -> None:
+        """Raises ValueError naming both names when `tensor` differs from what this update sent for a tied name."""
+        if name not in self.ties:
+            return
+        for other in self.ties[name]:
+            if other in self.seen and not torch.equal(self.seen[other], tensor):
+                raise ValueError(
+                    f"the update sends different values for {other!r} and {name!r}, which this engine ties into one "
+                    "tensor (tie_word_embeddings): the trainer's model no longer ties them. Tie them again in the "
+                    "trainer (e.g. model.tie_weights()), or serve a checkpoint whose config unties them."
+                )
+        self.seen[name] = tensor
 
 
 class _PatchRound:
