@@ -9,12 +9,11 @@ engine) does not implement it; the writer decides once, from its table of transp
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 __all__ = ["StagedTransfer"]
 
 
-@runtime_checkable
 class StagedTransfer(Protocol):
     """A trainer-side transfer engine that can stage its rounds (the gloo backend's)."""
 

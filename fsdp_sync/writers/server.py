@@ -449,7 +449,8 @@ class ServerWriter:
         )
         init_info = engine_cls.init_info_cls(**fields, rank=0)
         engine = engine_cls.trainer_init(init_info, client=self.client, source=self._source)
-        engine.staged = self.staged
+        if self.staged:
+            cast("StagedTransfer", engine).staged = True
         logger.info(
             "weight sync: %s transfer to %s set up (%d server worker(s), port %d)",
             self.backend,
@@ -661,11 +662,12 @@ class ServerWriter:
             ServerPushError / ServerTransportError: the write failed; says what the server holds (a staged round
                 that did not arrive whole leaves it unchanged; a write that failed part-way, old or new per layer).
         """
-        assert self.client is not None and self._engine is not None
+        staging = self._staging()
+        assert self.client is not None and staging is not None
         stage = "commit"
         try:
             with self._paused():
-                self._engine.commit()
+                staging.commit()
                 self.client.reset_prefix_cache()
         except (ServerRequestError, ServerConfigError) as e:
             raise ServerPushError(

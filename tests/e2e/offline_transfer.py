@@ -92,7 +92,9 @@ def main(out: Path) -> None:
         return worst
 
     def moved(a: list[dict[int, float]], b: list[dict[int, float]]) -> float:
-        return max(abs(x[t] - y.get(t, float("-inf"))) for x, y in zip(a, b) for t in x)
+        """The largest change of a top logprob between two reads (a token new to the top counts its whole gap to
+        the lowest logprob the other read kept)."""
+        return max(abs(x[t] - y.get(t, min(y.values()))) for x, y in zip(a, b) for t in x)
 
     fresh = engine_logprobs()
     generator = torch.Generator().manual_seed(1)
@@ -109,7 +111,8 @@ def main(out: Path) -> None:
     after_again = engine_embedding()
 
     # (3) the tie broken: a new parameter for the embedding; `lm_head.weight` keeps the previous values
-    hf.model.embed_tokens.weight = torch.nn.Parameter(torch.randn(embedding.shape, generator=generator) * embedding.std())
+    untied = torch.randn(embedding.shape, generator=generator) * embedding.std()
+    hf.model.embed_tokens.weight = torch.nn.Parameter(untied)
     untied_error = send()
     after_untied = engine_embedding()
     hf.lm_head.weight = hf.model.embed_tokens.weight  # (4) tied again
