@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlparse
 
 import torch
@@ -49,6 +49,9 @@ from ..server_client import (
     ServerRouteMissing,
     ServerUnavailableError,
 )
+
+if TYPE_CHECKING:
+    from ..transfer.staging import StagedTransfer
 
 __all__ = ["SUPPORTED_BACKENDS", "ServerPushError", "ServerTransportError", "ServerWriter", "check_server"]
 
@@ -446,7 +449,8 @@ class ServerWriter:
         )
         init_info = engine_cls.init_info_cls(**fields, rank=0)
         engine = engine_cls.trainer_init(init_info, client=self.client, source=self._source)
-        engine.staged = self.staged
+        if self.staged:
+            cast("StagedTransfer", engine).staged = True
         logger.info(
             "weight sync: %s transfer to %s set up (%d server worker(s), port %d)",
             self.backend,
@@ -456,11 +460,17 @@ class ServerWriter:
         )
         return engine
 
+    def _staging(self) -> StagedTransfer | None:
+        """The transfer engine as a staging one (`StagedTransfer`), where this writer stages (decided once, from the
+        transport's table) and the transfer is set up; else None."""
+        return cast("StagedTransfer", self._engine) if self.staged and self._engine is not None else None
+
     def _begin_round(self) -> Any:
         """Close a round a failure left open on the server, and set the transfer up if it is not (first sync, or
         after a failed one); returns the trainer's transfer engine."""
         assert self.client is not None
-        left_staged = self._new_sync and self._engine is not None and getattr(self._engine, "_session", False)
+        staging = self._staging()
+        left_staged = self._new_sync and staging is not None and staging.pending
         if self._round_open or left_staged:
             # A failed round (or a failed sync's staged rounds, never committed) may have left the server's update
             # session open; close it (an error if it is not): the server drops what was staged.
@@ -468,8 +478,8 @@ class ServerWriter:
                 self.client.finish_weight_update()
             except ServerRequestError:
                 pass
-            if self._engine is not None and hasattr(self._engine, "abandon"):
-                self._engine.abandon()
+            if staging is not None:
+                staging.abandon()
             self._round_open = False
         self._new_sync = False
         if self._engine is None:
@@ -652,11 +662,12 @@ class ServerWriter:
             ServerPushError / ServerTransportError: the write failed; says what the server holds (a staged round
                 that did not arrive whole leaves it unchanged; a write that failed part-way, old or new per layer).
         """
-        assert self.client is not None and self._engine is not None
+        staging = self._staging()
+        assert self.client is not None and staging is not None
         stage = "commit"
         try:
             with self._paused():
-                self._engine.commit()
+                staging.commit()
                 self.client.reset_prefix_cache()
         except (ServerRequestError, ServerConfigError) as e:
             raise ServerPushError(

@@ -28,7 +28,7 @@ from fsdp_sync.server_client import ServerRequestError
 from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.trainers.async_grpo import MixinWeightTransfer, run_async_sync
 from fsdp_sync._demo.dist import free_port
-from fsdp_sync.transfer import gloo
+from fsdp_sync.transfer import gloo, gloo_wire
 from fsdp_sync.writers import server as server_writer
 from fsdp_sync.writers.server import ServerPushError, ServerWriter
 
@@ -149,7 +149,7 @@ class StagingEngine:
     def __init__(self, source: Any) -> None:
         self.source = source
         self.staged = False
-        self._session = False
+        self.pending = False  # staged rounds sent, not committed (`StagedTransfer.pending`)
         self.data_chunks = 0
 
     @classmethod
@@ -163,19 +163,19 @@ class StagingEngine:
         StagingEngine.calls.append("shutdown")
 
     def abandon(self) -> None:
-        self._session = False
+        self.pending = False
 
     def send_weights(self) -> None:
         list(source_tensors(self.source))
         StagingEngine.calls.append("send(staged)" if self.staged else "send")
-        self._session = self.staged
+        self.pending = self.staged
 
     def commit(self) -> None:
         StagingEngine.calls.append("commit")
         self.data_chunks = 1
         if StagingEngine.fail_commit is not None:
             raise StagingEngine.fail_commit
-        self._session = False
+        self.pending = False
 
 
 class PausingClient:
@@ -294,7 +294,7 @@ class _Pair:
 
     def __init__(self) -> None:
         port = free_port()
-        self.host = gloo._listen("127.0.0.1", port, 2, timeout_s=30)
+        self.host = gloo_wire.listen("127.0.0.1", port, 2, timeout_s=30)
         config = SimpleNamespace(
             parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None
         )
@@ -305,10 +305,10 @@ class _Pair:
         self.worker._dense.finish = lambda: self.written.append(("finish", []))  # type: ignore[method-assign]
         joined: Future = Future()
         threading.Thread(
-            target=lambda: joined.set_result(gloo._open_group("127.0.0.1", port, 1, 2, timeout_s=30)), daemon=True
+            target=lambda: joined.set_result(gloo_wire.open_group("127.0.0.1", port, 1, 2, timeout_s=30)), daemon=True
         ).start()
         self.trainer = gloo.GlooTrainerWeightTransferEngine(client=None, source=None, buffer_bytes=256, timeout_s=30)  # type: ignore[arg-type]
-        self.trainer.group = gloo._open_group("127.0.0.1", port, 0, 2, timeout_s=30)
+        self.trainer.group = gloo_wire.open_group("127.0.0.1", port, 0, 2, timeout_s=30)
         self.worker.group = joined.result(timeout=30)
 
     def _dense(self, info: gloo.GlooUpdateInfo, received: Any = None) -> None:

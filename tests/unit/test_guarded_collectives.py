@@ -49,7 +49,7 @@ OUTSIDE: dict[tuple[str, str], str] = {
     ("distributed.py", "new_group"): "the sync's own groups made (a collective of the training world's store, "
     "bounded by the store's timeout; at the start of a sync, every rank)",
     ("distributed.py", "destroy_process_group"): "the sync's own groups destroyed (an abort, or at exit)",
-    ("transfer/gloo.py", "broadcast"): "the transfer group between rank 0 and a server (no other training rank); "
+    ("transfer/gloo_wire.py", "broadcast"): "the transfer group between rank 0 and a server (no other training rank); "
     "bounded by the writer's deadline (`sync_timeout_s`), docs/server.md",
     ("full_weights.py", "summon_full_params"): "FSDP1's own all-gathers (`full_state`, outside a sync): bounded by "
     "the training group's timeout only",

@@ -25,7 +25,7 @@ from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.sync.verify import EMPTY_DIGEST
 from fsdp_sync.server_client import ServerConfigError, ServerRequestError
 from fsdp_sync._demo.dist import free_port
-from fsdp_sync.transfer import gloo
+from fsdp_sync.transfer import gloo, gloo_trainer, gloo_wire
 from fsdp_sync.writers import server as server_writer
 from fsdp_sync.writers.server import ServerPushError, ServerTransportError, ServerWriter, transport_for
 
@@ -264,7 +264,7 @@ def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
         "f.big": torch.randn(40, 40, generator=g),  # 6400 bytes: larger than the buffer, travels alone
     }
     port = free_port()
-    host = gloo._listen("127.0.0.1", port, 2, timeout_s=30)
+    host = gloo_wire.listen("127.0.0.1", port, 2, timeout_s=30)
     loaded: list[list[tuple[str, torch.Tensor]]] = []
     model = SimpleNamespace(load_weights=lambda weights: loaded.append([(n, t.clone()) for n, t in weights]))
     config = SimpleNamespace(
@@ -282,7 +282,7 @@ def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
 
     def receive() -> None:
         try:
-            worker.group = gloo._open_group("127.0.0.1", port, 1, 2, timeout_s=30)
+            worker.group = gloo_wire.open_group("127.0.0.1", port, 1, 2, timeout_s=30)
             worker.receive_weights(update)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -290,7 +290,7 @@ def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
     thread = threading.Thread(target=receive)
     thread.start()
     trainer = gloo.GlooTrainerWeightTransferEngine(client=None, source=_source(tensors), buffer_bytes=512, timeout_s=30)  # type: ignore[arg-type]
-    trainer.group = gloo._open_group("127.0.0.1", port, 0, 2, timeout_s=30)
+    trainer.group = gloo_wire.open_group("127.0.0.1", port, 0, 2, timeout_s=30)
     from concurrent.futures import Future
 
     trainer._broadcast_stream(source_tensors(_source(tensors)), meta, Future())
@@ -309,9 +309,9 @@ def test_stream_that_disagrees_with_the_announcement_names_the_tensor() -> None:
     meta = source_metadata(_source(tensors))
     wrong = {"a.weight": torch.zeros(2, 3)}
     with pytest.raises(ValueError, match=r"expected 'a.weight' torch.float32 \(2, 2\), got 'a.weight' torch.float32 \(2, 3\)"):
-        list(gloo._checked(wrong.items(), meta))
+        list(gloo_trainer.checked(wrong.items(), meta))
     with pytest.raises(ValueError, match="ended before 'a.weight'"):
-        list(gloo._checked({}.items(), meta))
+        list(gloo_trainer.checked({}.items(), meta))
 
 
 # --- what the server and the trainer's config say ----------------------------------------------------------------
