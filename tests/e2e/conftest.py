@@ -22,14 +22,15 @@ def server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def lora_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
-    """One real server with LoRA enabled for the adapter tests (tiny Qwen2, float32 engine, gloo weight transfer,
-    adapters resolved by name: `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`). Each adapter job pushes new adapter names, so
-    no job depends on what another left."""
+    """One real server with LoRA enabled for the adapter tests (tiny Qwen2, float32 engine, gloo weight transfer),
+    keeping the last 2 adapter versions servable (`FSDP_VLLM_SYNC_ADAPTER_VERSIONS=2`, within `--max-cpu-loras 2`).
+    No `VLLM_ALLOW_RUNTIME_LORA_UPDATING`: pushed versions are served without vLLM's resolvers. Each adapter job
+    pushes new adapter names, so no job depends on what another left."""
     with VLLMServerProcess(
         checkpoints("qwen2"),
         tmp_path_factory.mktemp("lora_server") / "server.log",
         dtype="float32",
-        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
-        extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"],
+        env={"FSDP_VLLM_SYNC_ADAPTER_VERSIONS": "2"},
+        extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--max-cpu-loras", "2"],
     ) as process:
         yield process
