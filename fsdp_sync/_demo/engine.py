@@ -312,7 +312,7 @@ def worker_digest_check(
             if digest == _EMPTY_DIGEST and expected.numel() > 0:
                 problems.append(f"{worker}:{name}: the server hides this weight (packed away); cannot be checked")
             elif not digest_matches(digest, expected, dtype):
-                problems.append(f"{worker}:{name}: server shard differs from the trainer's full weight cut as vLLM cuts it")
+                problems.append(f"{worker}:{name}: server shard differs from the trainer's weight cut as vLLM cuts it")
     return checked, problems
 
 

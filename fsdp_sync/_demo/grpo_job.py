@@ -525,11 +525,9 @@ class ServerChecker:
         full.float()
         return problems
 
-    def _worker_digests(self) -> dict[str, str]:
+    @staticmethod
+    def _joined(workers: dict[str, dict[str, str]]) -> dict[str, str]:
         """`worker:engine name` -> sha256, for every worker of the server (each TP rank of each DP replica)."""
-        from fsdp_sync._demo.vllm_server import server_worker_digests
-
-        workers = server_worker_digests(self.client.base_url)
         return {f"{worker}:{name}": d for worker, digests in workers.items() for name, d in digests.items()}
 
     def _expected(self, full: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
@@ -543,7 +541,9 @@ class ServerChecker:
         return checkpoint, packed_modules_for_architectures(architectures)
 
     def snapshot(self) -> dict[str, str]:
-        return self._worker_digests()
+        from fsdp_sync._demo.vllm_server import server_worker_digests
+
+        return self._joined(server_worker_digests(self.client.base_url))
 
     def check_claim(self, before: dict[str, str], state: Any) -> dict[str, Any]:
         """After a failed sync: every server weight, on every worker, must hold its previous value (its digest before
@@ -551,14 +551,15 @@ class ServerChecker:
         all previous when the error says unchanged."""
         from fsdp_sync.compat.tp_shards import expected_shard
         from fsdp_sync._demo.engine import digest_matches, expected_engine_parts
-        from fsdp_sync._demo.vllm_server import server_shard_rules
+        from fsdp_sync._demo.vllm_server import server_shard_rules, server_worker_digests
 
         full, _ = full_reference_model(self.trainer, self.peft_config)
         checkpoint, packed = self._expected(full)
-        rules = server_shard_rules(self.client.base_url)
+        workers = server_worker_digests(self.client.base_url)
+        rules = server_shard_rules(self.client.base_url, workers)
         problems: list[str] = []
         counts = {"previous": 0, "new": 0, "undefined": 0, "unchecked": 0}
-        for key, digest in self._worker_digests().items():
+        for key, digest in self._joined(workers).items():
             worker, _, name = key.rpartition(":")
             parts = expected_engine_parts(name, checkpoint, packed)
             rule = rules.get(worker, {}).get(name)
@@ -582,7 +583,7 @@ class ServerChecker:
 
         full, lora_delta = full_reference_model(self.trainer, self.peft_config)
         workers = server_worker_digests(self.client.base_url)
-        rules = server_shard_rules(self.client.base_url)
+        rules = server_shard_rules(self.client.base_url, workers)
         checkpoint, packed = self._expected(full)
         checked, problems = worker_digest_check(workers, rules, checkpoint, packed, self.info.dtype)
         logits_problems = self._logprobs_problems(full)

@@ -169,13 +169,26 @@ def server_worker_digests(base_url: str, timeout: float = 120.0) -> dict[str, di
     return workers
 
 
-def server_shard_rules(base_url: str, timeout: float = 120.0) -> dict[str, dict[str, Any]]:
-    """Each worker's cut of every weight (`SHARD_RULES_METHOD`), keyed as `server_worker_digests` keys workers."""
+def server_shard_rules(
+    base_url: str, workers: dict[str, dict[str, str]], timeout: float = 120.0
+) -> dict[str, dict[str, Any]]:
+    """Each worker's cut of every weight, keyed as `server_worker_digests` keys workers (`workers`: its answer).
+
+    A worker whose tag shows no sharding (`pp0:pcp0:tp0`, every data-parallel replica of a server without tensor
+    or pipeline parallelism) holds every weight whole; only where a worker is sharded are the cuts read from the
+    workers (`SHARD_RULES_METHOD`, servers started here with readable weights).
+    """
     import requests
 
+    if all(_unsharded(worker) for worker in workers):
+        return {worker: {name: {"dim": None} for name in digests} for worker, digests in workers.items()}
     answer = requests.post(f"{base_url}/collective_rpc", json={"method": SHARD_RULES_METHOD}, timeout=timeout)
     answer.raise_for_status()
     return {worker["worker"]: worker["rules"] for worker in answer.json()["results"]}
+
+
+def _unsharded(worker: str) -> bool:
+    return worker.split(":")[1:] == ["pp0", "pcp0", "tp0"]
 
 
 def server_weight_digests(base_url: str, timeout: float = 120.0) -> dict[str, str]:

@@ -34,3 +34,33 @@ def lora_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
         extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--max-cpu-loras", "2"],
     ) as process:
         yield process
+
+
+# NOTE: vLLM-CPU refuses to start two workers without one CPU list per worker ("Not enough allowed NUMA nodes to
+# bind threads of 2 local CPUWorkers"); "0|1" pins one worker per core on the 2-core CI machine.
+MULTI_WORKER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+@pytest.fixture(scope="session")
+def tp2_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
+    """One real tensor-parallel server (`--tensor-parallel-size 2`: every column/row-parallel weight is split over
+    two workers), tiny Qwen2, bf16, gloo weight transfer, readable weights. Every job starts with a complete sync."""
+    with VLLMServerProcess(
+        checkpoints("qwen2"),
+        tmp_path_factory.mktemp("tp2_server") / "server.log",
+        env=MULTI_WORKER_ENV,
+        extra_args=["--tensor-parallel-size", "2"],
+    ) as process:
+        yield process
+
+
+@pytest.fixture(scope="session")
+def dp2_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
+    """One real data-parallel server (`--data-parallel-size 2`: two whole replicas), as `tp2_server` otherwise."""
+    with VLLMServerProcess(
+        checkpoints("qwen2"),
+        tmp_path_factory.mktemp("dp2_server") / "server.log",
+        env=MULTI_WORKER_ENV,
+        extra_args=["--data-parallel-size", "2"],
+    ) as process:
+        yield process
