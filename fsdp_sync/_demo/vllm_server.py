@@ -18,6 +18,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -205,6 +206,9 @@ def server_weight_digests(base_url: str, timeout: float = 120.0) -> dict[str, st
     return digests
 
 
+_WORKER_DIED = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)")
+
+
 class VLLMServerProcess:
     """Start a server, wait until it answers `/health`, and stop it (the whole process group) on exit.
 
@@ -303,6 +307,7 @@ class VLLMServerProcess:
         start = time.monotonic()
         while time.monotonic() - start < timeout:
             if self.process.poll() is not None:
+                self.raise_on_worker_death()
                 raise RuntimeError(f"the vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
@@ -345,6 +350,23 @@ class VLLMServerProcess:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.kill()
+
+    def worker_deaths(self) -> list[tuple[str, int]]:
+        """(worker process, exit code) of every worker vLLM reported dead in this server's log ("Worker proc
+        VllmWorker-0 died unexpectedly (exit code: -4)": vLLM's multiprocess executor, 0.32)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return [(name, int(code)) for name, code in _WORKER_DIED.findall(text)]
+
+    def raise_on_worker_death(self) -> None:
+        """Raise if any worker of this server died (the server itself may still answer `/health` for a moment).
+
+        Raises:
+            RuntimeError: naming each dead worker and its exit code, with the log's tail.
+        """
+        deaths = self.worker_deaths()
+        if deaths:
+            named = ", ".join(f"{name} (exit code {code})" for name, code in deaths)
+            raise RuntimeError(f"the vLLM server at {self.base_url} lost worker(s): {named}\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 6000) -> str:
         return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""

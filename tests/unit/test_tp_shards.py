@@ -106,3 +106,40 @@ def test_a_single_worker_holds_every_weight_whole(as_worker) -> None:
 def test_a_rule_with_the_wrong_number_of_parts_is_refused() -> None:
     with pytest.raises(ValueError, match="cuts 2 part"):
         expected_shard([torch.zeros(4, 2)], {"dim": 0, "parts": [[0, 2], [0, 2]]})
+
+
+def test_the_per_worker_check_compares_each_shard_and_names_what_differs() -> None:
+    """`worker_digest_check` (the demo's server check): each worker's digest against its cut of the full weight.
+    The old check's mistake, a TP worker's shard read as the whole tensor, and the whole tensor where a shard is
+    held, both fail; a weight whose cut is unknown is a problem, never a pass."""
+    from fsdp_sync._demo.engine import tensor_digest, worker_digest_check
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)
+    checkpoint = {"l.q_proj.weight": q, "l.k_proj.weight": k, "l.v_proj.weight": v, "norm.weight": torch.randn(4)}
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    rules = {
+        f"dp0:pp0:pcp0:tp{r}": {
+            "l.qkv_proj.weight": {"dim": 0, "parts": [[4 * r, 4], [0, 4], [0, 4]], "rows": None},
+            "norm.weight": {"dim": None},
+        }
+        for r in range(2)
+    }
+    workers = {
+        w: {
+            "l.qkv_proj.weight": tensor_digest(expected_shard([q, k, v], rules[w]["l.qkv_proj.weight"])),
+            "norm.weight": tensor_digest(checkpoint["norm.weight"]),
+        }
+        for w in rules
+    }
+    assert worker_digest_check(workers, rules, checkpoint, packed, torch.float32) == (4, [])
+    whole = dict(workers)
+    tp1 = "dp0:pp0:pcp0:tp1"
+    whole[tp1] = {**workers[tp1], "l.qkv_proj.weight": tensor_digest(torch.cat([q, k, v]))}
+    checked, problems = worker_digest_check(whole, rules, checkpoint, packed, torch.float32)
+    assert checked == 4 and len(problems) == 1 and problems[0].startswith(f"{tp1}:l.qkv_proj.weight"), problems
+    unknown = {w: {**r, "l.qkv_proj.weight": None} for w, r in rules.items()}
+    _, problems = worker_digest_check(workers, unknown, checkpoint, packed, torch.float32)
+    assert len(problems) == 2 and all("not known" in p for p in problems), problems
+    _, problems = worker_digest_check(workers, {}, checkpoint, packed, torch.float32)
+    assert len(problems) == 2 and all("did not say" in p for p in problems), problems
