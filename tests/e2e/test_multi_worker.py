@@ -31,6 +31,17 @@ def _server_args(url: str, *extra: str) -> list[str]:
     return ["--vllm-mode", "server", "--server-url", url, "--group-port", str(free_port()), *extra]
 
 
+def _show(label: str, ranks: list[dict]) -> None:
+    """Rank 0's syncs: kind, tensors, bytes sent (dense + patches), seconds (what every worker receives: the trainer
+    sends each tensor once to the transfer group, and every worker receives all of it)."""
+    rows = [
+        ("complete" if rep["complete"] else "sparse" if rep["sparse"] else "delta", rep["tensors"],
+         rep["bytes"] + rep.get("patch_bytes", 0), round(rep["seconds"], 3))
+        for rep in ranks[0]["reports"]
+    ]  # fmt: skip
+    print(f"{label} (kind, tensors, bytes, seconds): {rows}")
+
+
 def _every_worker_checked(ranks: list[dict], workers: list[str]) -> None:
     for r in ranks:
         for check in r["checks"]:
@@ -53,8 +64,7 @@ def test_complete_then_sparse_syncs_into_a_tensor_parallel_server(
     first, *later = ranks[0]["reports"]
     assert first["complete"] and first["tensors"] == checkpoint_tensor_count(model_dir)
     assert later and all(not rep["complete"] for rep in later), later
-    shown = [(rep["sparse"], rep.get("patched_tensors"), rep["bytes"], rep.get("patch_bytes")) for rep in later]
-    print("tp2 sparse (sparse, patched tensors, dense bytes, patch bytes):", shown)
+    _show("tp2 fsdp2 sparse", ranks)
 
 
 def test_complete_then_delta_syncs_into_a_data_parallel_server(
@@ -69,3 +79,4 @@ def test_complete_then_delta_syncs_into_a_data_parallel_server(
     first, *later = ranks[0]["reports"]
     assert first["complete"] and first["tensors"] == checkpoint_tensor_count(model_dir)
     assert later and all(not rep["complete"] and rep["tensors"] < first["tensors"] for rep in later), later
+    _show("dp2 fsdp1 lora delta", ranks)
