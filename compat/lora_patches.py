@@ -192,8 +192,12 @@ def guard_served_adapters() -> None:
 
     Patches `OpenAIServingModels.__init__` (to find the instances) and `AsyncLLM.update_weights` (after an adapter
     push succeeded on every worker, its name is served and versions beyond `kept_versions()` are dropped)."""
-    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    try:
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    except ImportError:  # NOTE: its module before vLLM moved it under models/ (not run here: only 0.32 is installed)
+        from vllm.entrypoints.openai.serving_models import OpenAIServingModels  # type: ignore[no-redef]
 
     if getattr(AsyncLLM.update_weights, _PATCHED, False):
         return

@@ -17,6 +17,7 @@ import pytest
 from fsdp_sync.distributed import free_port
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
+from .documented import DocumentedServer
 from .helpers import WRAPPER_FLAG, run_grpo
 
 pytestmark = pytest.mark.e2e
@@ -120,6 +121,26 @@ def test_adapter_syncs_into_a_server_over_the_transfer(
     )
     _check(result, backend, colocated=False)
     _only_kept_versions_are_served(lora_server, last=result.ranks[0]["reports"][-1]["adapter_id"])
+
+
+def test_adapter_syncs_into_a_tensor_parallel_server(checkpoints, tmp_path) -> None:
+    """docs/adapters.md's tensor-parallel LoRA server (`--tensor-parallel-size 2`): both workers hold exactly the
+    trainer's adapter under each version's name and serve the same kept versions, and the server's logprobs for the
+    adapter (computed by the two workers' shards of it) equal PEFT's merge of the trainer's weights; a request for a
+    version no longer kept is refused while the server stays healthy."""
+    model_dir = checkpoints("qwen2")
+    server = DocumentedServer(
+        model_dir, tmp_path / "server.log", "adapters.md", "--tensor-parallel-size 2", readable_weights=True
+    )
+    with server:
+        result = run_grpo(
+            model_dir, tmp_path / "job", "fsdp2", "--peft", "--adapter", "--perturb", "0", "--steps", str(STEPS),
+            "--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port()),
+        )  # fmt: skip
+        _check(result, "fsdp2", colocated=False)
+        assert all(c["workers"] == 2 for r in result.ranks for c in r["checks"])
+        _only_kept_versions_are_served(server, last=result.ranks[0]["reports"][-1]["adapter_id"])
+        server.raise_on_worker_death()
 
 
 def _only_kept_versions_are_served(server: VLLMServerProcess, *, last: int) -> None:
