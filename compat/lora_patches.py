@@ -1,6 +1,7 @@
 """Patches of vLLM's LoRA loading so that a vLLM server serves adapters pushed in memory, the last `K` versions of
 them, and refuses every other version cleanly (vLLM 0.32's `vllm/lora/`, `vllm/entrypoints/openai/models/serving.py`,
-`vllm/v1/engine/async_llm.py`; needed by every vLLM with the path-only adapter API, 0.28-0.34 read).
+`vllm/v1/engine/async_llm.py`; needed by every vLLM with the path-only adapter API, 0.28-0.34; the API server's
+patch points read and run on 0.32 only).
 
 Why: a server loads an adapter when a request names it, from the path its `LoRARequest` carries (the worker's
 `WorkerLoRAManager._load_adapter`), under an id the API server picks itself. An adapter that arrived over the weight
