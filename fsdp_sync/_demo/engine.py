@@ -20,6 +20,7 @@ __all__ = [
     "compare_states",
     "digest_check",
     "digest_matches",
+    "expected_engine_parts",
     "expected_engine_tensor",
     "engine_state",
     "engine_tensors",
@@ -31,6 +32,7 @@ __all__ = [
     "reference_at",
     "reference_engine_state",
     "tensor_digest",
+    "worker_digest_check",
 ]
 
 
@@ -150,20 +152,31 @@ def by_engine_name(
     return dict(checkpoint) if to_engine is None else {to_engine(n): t for n, t in checkpoint.items()}
 
 
-def expected_engine_tensor(
+def expected_engine_parts(
     name: str, checkpoint: dict[str, torch.Tensor], packed: dict[str, list[str]]
-) -> torch.Tensor | None:
-    """The checkpoint tensor an engine weight must equal: itself, or its parts concatenated where vLLM fuses them
-    (`packed` is the engine model's `packed_modules_mapping`, e.g. `qkv_proj: [q_proj, k_proj, v_proj]`); None when
-    it has no direct counterpart (e.g. fused experts)."""
+) -> list[torch.Tensor] | None:
+    """The checkpoint tensors an engine weight is made of: itself, or its parts in the engine's order where vLLM
+    fuses them (`packed` is the engine model's `packed_modules_mapping`, e.g. `qkv_proj: [q_proj, k_proj, v_proj]`);
+    None when it has no direct counterpart (e.g. fused experts)."""
     module, _, leaf = name.rpartition(".")
     parent, _, last = module.rpartition(".")
     if last in packed:
         parts = [f"{parent}.{p}.{leaf}" for p in packed[last]]
         if not all(p in checkpoint for p in parts):
             return None
-        return torch.cat([checkpoint[p] for p in parts], dim=0)
-    return checkpoint.get(name)
+        return [checkpoint[p] for p in parts]
+    return [checkpoint[name]] if name in checkpoint else None
+
+
+def expected_engine_tensor(
+    name: str, checkpoint: dict[str, torch.Tensor], packed: dict[str, list[str]]
+) -> torch.Tensor | None:
+    """The checkpoint tensor an engine weight must equal (on a single-worker engine): itself, or its parts
+    concatenated where vLLM fuses them (`expected_engine_parts`); None when it has no direct counterpart."""
+    parts = expected_engine_parts(name, checkpoint, packed)
+    if parts is None:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def fused_direct_check(
@@ -256,6 +269,51 @@ def digest_check(
         return None
 
     return _direct_check(engine_digests, checkpoint, packed, differs)
+
+
+def worker_digest_check(
+    workers: dict[str, dict[str, str]],
+    rules: dict[str, dict[str, Any]],
+    checkpoint: dict[str, torch.Tensor],
+    packed: dict[str, list[str]],
+    dtype: torch.dtype,
+) -> tuple[int, list[str]]:
+    """`digest_check` on every worker of a server (each tensor-parallel rank of each data-parallel replica): each
+    worker's digest of a weight is compared with the trainer's full weight cut as that worker's loader cuts it
+    (`compat.tp_shards`: `rules`, read from the same workers).
+
+    Args:
+        workers: worker (`dp0:pp0:pcp0:tp1`) -> engine name -> sha256 (the server's `/weight_checker`).
+        rules: worker -> engine name -> its cut (`tp_shards.ShardRule`, None where the layer is not known).
+
+    Returns:
+        (number of worker weights checked, problems naming the worker). A weight whose cut is not known, or a worker
+        without rules, is a problem, never passed.
+    """
+    from fsdp_sync.compat.tp_shards import expected_shard
+
+    checked = 0
+    problems: list[str] = []
+    for worker, digests in sorted(workers.items()):
+        cuts = rules.get(worker)
+        if cuts is None:
+            problems.append(f"{worker}: the server did not say how this worker's weights are cut")
+            continue
+        for name, digest in sorted(digests.items()):
+            parts = expected_engine_parts(name, checkpoint, packed)
+            if parts is None:
+                continue
+            checked += 1
+            rule = cuts.get(name)
+            if rule is None:
+                problems.append(f"{worker}:{name}: the worker's cut of this weight is not known (layer not handled)")
+                continue
+            expected = expected_shard(parts, rule)
+            if digest == _EMPTY_DIGEST and expected.numel() > 0:
+                problems.append(f"{worker}:{name}: the server hides this weight (packed away); cannot be checked")
+            elif not digest_matches(digest, expected, dtype):
+                problems.append(f"{worker}:{name}: server shard differs from the trainer's weight cut as vLLM cuts it")
+    return checked, problems
 
 
 def digest_matches(digest: str, expected: torch.Tensor, dtype: torch.dtype) -> bool:

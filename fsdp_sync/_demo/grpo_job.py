@@ -525,66 +525,74 @@ class ServerChecker:
         full.float()
         return problems
 
-    def snapshot(self) -> dict[str, str]:
-        from fsdp_sync._demo.vllm_server import server_weight_digests
+    @staticmethod
+    def _joined(workers: dict[str, dict[str, str]]) -> dict[str, str]:
+        """`worker:engine name` -> sha256, for every worker of the server (each TP rank of each DP replica)."""
+        return {f"{worker}:{name}": d for worker, digests in workers.items() for name, d in digests.items()}
 
-        return server_weight_digests(self.client.base_url)
-
-    def check_claim(self, before: dict[str, str], state: Any) -> dict[str, Any]:
-        """After a failed sync: every server weight must hold its previous value (its digest before the sync) or
-        its new one (the trainer's full weight): never a third, and all previous when the error says unchanged."""
+    def _expected(self, full: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
         from fsdp_sync.compat.engine_api import engine_model_class, engine_name_mapper, packed_modules_for_architectures
-        from fsdp_sync._demo.engine import (
-            by_engine_name,
-            digest_matches,
-            expected_checkpoint_state,
-            expected_engine_tensor,
-        )
-        from fsdp_sync._demo.vllm_server import server_weight_digests
+        from fsdp_sync._demo.engine import by_engine_name, expected_checkpoint_state
 
-        full, _ = full_reference_model(self.trainer, self.peft_config)
         architectures = list(full.config.architectures)
         checkpoint = by_engine_name(
             expected_checkpoint_state(full), engine_name_mapper(engine_model_class(architectures))
         )
-        packed = packed_modules_for_architectures(architectures)
+        return checkpoint, packed_modules_for_architectures(architectures)
+
+    def snapshot(self) -> dict[str, str]:
+        from fsdp_sync._demo.vllm_server import server_worker_digests
+
+        return self._joined(server_worker_digests(self.client.base_url))
+
+    def check_claim(self, before: dict[str, str], state: Any) -> dict[str, Any]:
+        """After a failed sync: every server weight, on every worker, must hold its previous value (its digest before
+        the sync) or its new one (the trainer's full weight cut as the worker's loader cuts it): never a third, and
+        all previous when the error says unchanged."""
+        from fsdp_sync.compat.tp_shards import expected_shard
+        from fsdp_sync._demo.engine import digest_matches, expected_engine_parts
+        from fsdp_sync._demo.vllm_server import server_shard_rules, server_worker_digests
+
+        full, _ = full_reference_model(self.trainer, self.peft_config)
+        checkpoint, packed = self._expected(full)
+        workers = server_worker_digests(self.client.base_url)
+        rules = server_shard_rules(self.client.base_url, workers)
         problems: list[str] = []
         counts = {"previous": 0, "new": 0, "undefined": 0, "unchecked": 0}
-        for name, digest in server_weight_digests(self.client.base_url).items():
-            expected = expected_engine_tensor(name, checkpoint, packed)
-            if expected is None:
+        for key, digest in self._joined(workers).items():
+            worker, _, name = key.rpartition(":")
+            parts = expected_engine_parts(name, checkpoint, packed)
+            rule = rules.get(worker, {}).get(name)
+            if parts is None or rule is None:
                 counts["unchecked"] += 1
                 continue
-            if state is not None and state.status == "unchanged" and digest != before.get(name):
-                problems.append(f"{name}: the server was said to be unchanged, but this weight changed")
-            elif digest_matches(digest, expected, self.info.dtype):
+            if state is not None and state.status == "unchanged" and digest != before.get(key):
+                problems.append(f"{key}: the server was said to be unchanged, but this weight changed")
+            elif digest_matches(digest, expected_shard(parts, rule), self.info.dtype):
                 counts["new"] += 1
-            elif digest == before.get(name):
+            elif digest == before.get(key):
                 counts["previous"] += 1
             else:
                 counts["undefined"] += 1
-                problems.append(f"{name}: holds neither its previous nor its new value")
+                problems.append(f"{key}: holds neither its previous nor its new value")
         return {"problems": problems, "counts": counts}
 
     def __call__(self) -> None:
-        from fsdp_sync.compat.engine_api import engine_model_class, engine_name_mapper, packed_modules_for_architectures
-        from fsdp_sync._demo.engine import by_engine_name, digest_check, expected_checkpoint_state
-        from fsdp_sync._demo.vllm_server import server_weight_digests
+        from fsdp_sync._demo.engine import worker_digest_check
+        from fsdp_sync._demo.vllm_server import server_shard_rules, server_worker_digests
 
         full, lora_delta = full_reference_model(self.trainer, self.peft_config)
-        digests = server_weight_digests(self.client.base_url)
-        architectures = list(full.config.architectures)
-        checkpoint = by_engine_name(
-            expected_checkpoint_state(full), engine_name_mapper(engine_model_class(architectures))
-        )
-        packed = packed_modules_for_architectures(architectures)
-        checked, problems = digest_check(digests, checkpoint, packed, self.info.dtype)
+        workers = server_worker_digests(self.client.base_url)
+        rules = server_shard_rules(self.client.base_url, workers)
+        checkpoint, packed = self._expected(full)
+        checked, problems = worker_digest_check(workers, rules, checkpoint, packed, self.info.dtype)
         logits_problems = self._logprobs_problems(full)
         self.records.append(
             {
                 "step": self.trainer.state.global_step,
                 "wrapper": _wrapper_info(self.trainer.model_wrapped),
-                "engine_weights": len(digests),
+                "workers": sorted(workers),
+                "engine_weights": sum(len(d) for d in workers.values()),
                 "direct_checked": checked,
                 "direct_problems": problems,
                 "reference_problems": [],
@@ -602,9 +610,10 @@ SOAK_POINTS = ("check", "gather.prepare", "gather.launch", "gather.unflatten", "
 
 
 class AdapterServerChecker(ServerChecker):
-    """The adapter check against a server (every rank): the server's LoRA manager holds exactly the trainer's
-    adapter (sha256 of each `lora_a`/`lora_b` as vLLM keeps it, read from the server's worker), only that version is
-    loaded, and the server's logprobs for the adapter's name equal those of the trainer's full model (PEFT's merge)."""
+    """The adapter check against a server (every rank): every worker's LoRA manager holds exactly the trainer's
+    adapter under its name (sha256 of each `lora_a`/`lora_b` as vLLM keeps it, read from each of the server's
+    workers), the versions each worker serves and holds are recorded, and the server's logprobs for the adapter's name
+    equal those of the trainer's full model (PEFT's merge)."""
 
     def __call__(self) -> None:
         import dataclasses
@@ -636,7 +645,7 @@ class AdapterServerChecker(ServerChecker):
                 engine_logprobs.append({int(t.split(":", 1)[1]): lp for t, lp in top.items()})
         finally:
             self.info = info
-        (worker,) = server_adapter_digests(self.client.base_url)
+        workers = server_adapter_digests(self.client.base_url)
         state = get_model_state_dict(
             unwrap_outer(self.trainer.model_wrapped), options=StateDictOptions(full_state_dict=True)
         )
@@ -645,19 +654,25 @@ class AdapterServerChecker(ServerChecker):
         packed = packed_modules_for_architectures(list(base_config.architectures or []))
         problems: list[str] = []
         compared = 0
+        # NOTE: every worker (each tensor-parallel rank, each data-parallel replica) builds the whole adapter from
+        # what it received; vLLM slices it into the layers' shards when it activates it.
         for key, value, kind, engine_module, slot in _adapter_targets(state, packed):
-            held = worker["modules"].get(engine_module, {}).get("a" if kind == "lora_A" else "b", [])
             expected = value.detach().cpu().to(info.dtype)
-            expected = expected if kind == "lora_A" else expected * scaling
-            compared += 1
-            if slot >= len(held) or held[slot] != tensor_digest(expected):
-                problems.append(f"{key}: the server's {engine_module}[{slot}] differs from the trainer's")
+            digest = tensor_digest(expected if kind == "lora_A" else expected * scaling)
+            for i, worker in enumerate(workers):
+                modules = worker["adapters"].get(name, {})
+                held = modules.get(engine_module, {}).get("a" if kind == "lora_A" else "b", [])
+                compared += 1
+                if slot >= len(held) or held[slot] != digest:
+                    problems.append(f"{key}: worker {i}'s {engine_module}[{slot}] of {name} differs from the trainer's")
         self.records.append(
             {
                 "step": self.trainer.state.global_step,
                 "wrapper": _wrapper_info(self.trainer.model_wrapped),
                 "adapter_id": adapter_id,
-                "loaded": worker["ids"],
+                "workers": len(workers),
+                "loaded": [w["ids"] for w in workers],
+                "served": [w["served"] for w in workers],
                 "compared": compared,
                 "adapter_problems": problems,
                 "logits_problems": logits_problems,

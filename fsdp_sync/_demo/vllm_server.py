@@ -18,6 +18,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,7 +36,9 @@ __all__ = [
     "READABLE_WEIGHTS_ENV",
     "VLLMServerProcess",
     "install_readable_weights",
+    "server_shard_rules",
     "server_weight_digests",
+    "server_worker_digests",
 ]
 
 READABLE_WEIGHTS_ENV = "FSDP_VLLM_SYNC_TEST_READABLE_WEIGHTS"
@@ -44,8 +47,11 @@ READABLE_WEIGHTS_ENV = "FSDP_VLLM_SYNC_TEST_READABLE_WEIGHTS"
 # The worker method `install_readable_weights` adds for servers older than vLLM's own digests (`/weight_checker`,
 # 0.32); the test reaches it through the `/collective_rpc` development route (vLLM 0.28+).
 DIGESTS_METHOD = "fvs_test_weight_digests"
-# The workers' digests of the adapters their LoRA manager holds (sha256 of each lora_a / lora_b as vLLM keeps it).
+# The workers' digests of the adapters their LoRA manager holds (sha256 of each lora_a / lora_b as vLLM keeps it, by
+# adapter name), and the names each worker serves.
 ADAPTER_DIGESTS_METHOD = "fvs_test_adapter_digests"
+# Each worker's cut of every weight (`compat.tp_shards.shard_rules`), tagged as `/weight_checker` tags its digests.
+SHARD_RULES_METHOD = "fvs_test_shard_rules"
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -84,6 +90,7 @@ def install_readable_weights() -> None:
     def set_digests(module: ModuleType) -> None:
         setattr(module.WorkerBase, DIGESTS_METHOD, _worker_digests)
         setattr(module.WorkerBase, ADAPTER_DIGESTS_METHOD, _worker_adapter_digests)
+        setattr(module.WorkerBase, SHARD_RULES_METHOD, _worker_shard_rules)
 
     callbacks: dict[str, Callable[[ModuleType], None]] = {
         "vllm.model_executor.layers.utils": lambda _: keep_engine_weights_readable(),
@@ -105,19 +112,31 @@ def _worker_digests(worker: Any) -> dict[str, str]:
     return {name: hashlib.sha256(tensor_bytes(p)).hexdigest() for name, p in model.named_parameters()}
 
 
+def _worker_shard_rules(worker: Any) -> dict[str, Any]:
+    from fsdp_sync.compat.tp_shards import shard_rules
+
+    # NOTE: the worker's own `/weight_checker` prefix (`dp0:pp0:pcp0:tp1:`), so rules and digests pair up whatever
+    # order the workers answer in.
+    prefix = worker._weight_checksum_prefix() if hasattr(worker, "_weight_checksum_prefix") else ""
+    return {"worker": prefix.rstrip(":"), "rules": shard_rules(worker.model_runner.get_model())}
+
+
 def _worker_adapter_digests(worker: Any) -> dict[str, Any]:
     from fsdp_sync.compat.lora_api import engine_adapter, loaded_adapters
+    from fsdp_sync.compat.lora_patches import loaded_adapter_names, served_adapters
     from fsdp_sync.digest import tensor_digest
 
     ids = loaded_adapters(worker)
-    modules = {}
+    names = loaded_adapter_names()
+    adapters: dict[str, dict[str, Any]] = {}
     for adapter_id in ids:
+        modules = adapters.setdefault(names.get(adapter_id, str(adapter_id)), {})
         for module, (a, b) in engine_adapter(worker, adapter_id).items():
             modules[module] = {
                 "a": [tensor_digest(t) if t is not None else None for t in a],
                 "b": [tensor_digest(t) if t is not None else None for t in b],
             }
-    return {"ids": ids, "modules": modules}
+    return {"ids": ids, "served": served_adapters(), "adapters": adapters}
 
 
 def server_adapter_digests(base_url: str, timeout: float = 120.0) -> list[dict[str, Any]]:
@@ -129,22 +148,65 @@ def server_adapter_digests(base_url: str, timeout: float = 120.0) -> list[dict[s
     return answer.json()["results"]
 
 
-def server_weight_digests(base_url: str, timeout: float = 120.0) -> dict[str, str]:
-    """sha256 of every parameter of a server started by `VLLMServerProcess` (readable weights), by engine name:
-    vLLM's own `/weight_checker` where the server has it, else the workers' `DIGESTS_METHOD`."""
+def server_worker_digests(base_url: str, timeout: float = 120.0) -> dict[str, dict[str, str]]:
+    """sha256 of every parameter of a server started by `VLLMServerProcess` (readable weights), per worker: worker
+    (`dp0:pp0:pcp0:tp0`, as vLLM's `/weight_checker` tags it) -> engine name -> digest. A tensor-parallel worker's
+    digests are of its shard. Servers without `/weight_checker` answer through the workers' `DIGESTS_METHOD`
+    (tagged `worker<i>`)."""
     import requests
 
     from fsdp_sync.server_client import ServerClient, ServerRouteMissing
 
     try:
-        return {key.rsplit(":", 1)[-1]: d for key, d in ServerClient(base_url, timeout).weight_checksums().items()}
+        checksums = ServerClient(base_url, timeout).weight_checksums()
     except ServerRouteMissing:
         answer = requests.post(f"{base_url}/collective_rpc", json={"method": DIGESTS_METHOD}, timeout=timeout)
         answer.raise_for_status()
-        digests: dict[str, str] = {}
-        for worker in answer.json()["results"]:
-            digests.update(worker)
-        return digests
+        return {f"worker{i}": dict(worker) for i, worker in enumerate(answer.json()["results"])}
+    workers: dict[str, dict[str, str]] = {}
+    for key, digest in checksums.items():
+        worker, _, name = key.rpartition(":")
+        workers.setdefault(worker, {})[name] = digest
+    return workers
+
+
+def server_shard_rules(
+    base_url: str, workers: dict[str, dict[str, str]], timeout: float = 120.0
+) -> dict[str, dict[str, Any]]:
+    """Each worker's cut of every weight, keyed as `server_worker_digests` keys workers (`workers`: its answer).
+
+    A worker whose tag shows no sharding (`pp0:pcp0:tp0`, every data-parallel replica of a server without tensor
+    or pipeline parallelism) holds every weight whole; only where a worker is sharded are the cuts read from the
+    workers (`SHARD_RULES_METHOD`, servers started here with readable weights).
+    """
+    import requests
+
+    if all(_unsharded(worker) for worker in workers):
+        return {worker: {name: {"dim": None} for name in digests} for worker, digests in workers.items()}
+    answer = requests.post(f"{base_url}/collective_rpc", json={"method": SHARD_RULES_METHOD}, timeout=timeout)
+    answer.raise_for_status()
+    return {worker["worker"]: worker["rules"] for worker in answer.json()["results"]}
+
+
+def _unsharded(worker: str) -> bool:
+    return worker.split(":")[1:] == ["pp0", "pcp0", "tp0"]
+
+
+def server_weight_digests(base_url: str, timeout: float = 120.0) -> dict[str, str]:
+    """sha256 of every parameter of a single-worker server, by engine name (`server_worker_digests`).
+
+    Raises:
+        ValueError: the server has more than one worker (tensor or data parallel): one worker's digests are not the
+            server's; read them per worker.
+    """
+    workers = server_worker_digests(base_url, timeout)
+    if len(workers) != 1:
+        raise ValueError(f"the server has {len(workers)} workers ({sorted(workers)}): read server_worker_digests")
+    (digests,) = workers.values()
+    return digests
+
+
+_WORKER_DIED = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)")
 
 
 class VLLMServerProcess:
@@ -245,6 +307,7 @@ class VLLMServerProcess:
         start = time.monotonic()
         while time.monotonic() - start < timeout:
             if self.process.poll() is not None:
+                self.raise_on_worker_death()
                 raise RuntimeError(f"the vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
@@ -287,6 +350,23 @@ class VLLMServerProcess:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.kill()
+
+    def worker_deaths(self) -> list[tuple[str, int]]:
+        """(worker process, exit code) of every worker vLLM reported dead in this server's log ("Worker proc
+        VllmWorker-0 died unexpectedly (exit code: -4)": vLLM's multiprocess executor, 0.32)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return [(name, int(code)) for name, code in _WORKER_DIED.findall(text)]
+
+    def raise_on_worker_death(self) -> None:
+        """Raise if any worker of this server died (the server itself may still answer `/health` for a moment).
+
+        Raises:
+            RuntimeError: naming each dead worker and its exit code, with the log's tail.
+        """
+        deaths = self.worker_deaths()
+        if deaths:
+            named = ", ".join(f"{name} (exit code {code})" for name, code in deaths)
+            raise RuntimeError(f"the vLLM server at {self.base_url} lost worker(s): {named}\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 6000) -> str:
         return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""

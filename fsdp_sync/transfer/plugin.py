@@ -59,11 +59,11 @@ def register() -> None:
     if skipped:
         logger.warning("fsdp-vllm-sync: weight-transfer backends not registered: %s", "; ".join(skipped))
     try:
-        # Adapter syncs: a request for a pushed adapter's name is answered from what the transfer delivered.
-        from fsdp_sync.compat.lora_patches import register_resolver
+        # Adapter syncs: the API server serves exactly the adapter versions the workers keep.
+        from fsdp_sync.compat.lora_patches import guard_served_adapters
 
-        register_resolver()
+        guard_served_adapters()
     except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
-        logger.warning("fsdp-vllm-sync: adapter names not resolvable (%s: %s)", type(e).__name__, e)
+        logger.warning("fsdp-vllm-sync: adapter versions are not guarded (%s: %s)", type(e).__name__, e)
     if registered:
         logger.debug("fsdp-vllm-sync: registered weight-transfer backends: %s", ", ".join(registered))

@@ -10,6 +10,8 @@ from fsdp_sync._demo.launch import launch_env
 from fsdp_sync._demo.prefork import PREFORK_ENV, PreforkServer
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
+from .documented import DocumentedServer
+
 
 @pytest.fixture(scope="session", autouse=True)
 def prefork_server(tmp_path_factory: pytest.TempPathFactory):
@@ -43,14 +45,40 @@ def server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def lora_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
-    """One real server with LoRA enabled for the adapter tests (tiny Qwen2, float32 engine, gloo weight transfer,
-    adapters resolved by name: `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`). Each adapter job pushes new adapter names, so
-    no job depends on what another left."""
-    with VLLMServerProcess(
-        checkpoints("qwen2"),
-        tmp_path_factory.mktemp("lora_server") / "server.log",
-        dtype="float32",
-        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
-        extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"],
-    ) as process:
+    """docs/adapters.md's LoRA server command, as written there (tiny Qwen2, float32 engine, gloo weight transfer,
+    the last 2 adapter versions kept: `FSDP_VLLM_SYNC_ADAPTER_VERSIONS=2` within `--max-cpu-loras 2`; no
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING`), with readable weights. Each adapter job pushes new adapter names, so no job
+    depends on what another left."""
+    server = DocumentedServer(
+        checkpoints("qwen2"), tmp_path_factory.mktemp("lora_server") / "server.log", "adapters.md", "--enable-lora",
+        readable_weights=True,
+    )  # fmt: skip
+    with server as process:
         yield process
+        process.raise_on_worker_death()
+
+
+@pytest.fixture(scope="session")
+def tp2_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
+    """docs/server.md's tensor-parallel CPU command, as written there (`--tensor-parallel-size 2`: every column/row-
+    parallel weight split over two workers; `VLLM_CPU_OMP_THREADS_BIND="0|1"`: one worker per core), with readable
+    weights. Every job starts with a complete sync."""
+    server = DocumentedServer(
+        checkpoints("qwen2"), tmp_path_factory.mktemp("tp2_server") / "server.log", "server.md",
+        "--tensor-parallel-size 2", readable_weights=True,
+    )  # fmt: skip
+    with server as process:
+        yield process
+        process.raise_on_worker_death()
+
+
+@pytest.fixture(scope="session")
+def dp2_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
+    """docs/server.md's data-parallel CPU command (`--data-parallel-size 2`: two whole replicas), as `tp2_server`."""
+    server = DocumentedServer(
+        checkpoints("qwen2"), tmp_path_factory.mktemp("dp2_server") / "server.log", "server.md",
+        "--data-parallel-size 2", readable_weights=True,
+    )  # fmt: skip
+    with server as process:
+        yield process
+        process.raise_on_worker_death()

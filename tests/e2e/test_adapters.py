@@ -17,11 +17,14 @@ import pytest
 from fsdp_sync.distributed import free_port
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
+from .documented import DocumentedServer
 from .helpers import WRAPPER_FLAG, run_grpo
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 3
+# The adapter versions the shared LoRA server keeps servable (`lora_server`: FSDP_VLLM_SYNC_ADAPTER_VERSIONS).
+KEPT = 2
 # q_proj and v_proj of 2 layers, r=4 (hidden 128, one 64-wide KV head): the adapter's elements.
 ADAPTER_NUMEL = 2 * (4 * 128 + 128 * 4 + 4 * 128 + 64 * 4)
 
@@ -43,10 +46,17 @@ def _check(result, backend: str, *, colocated: bool) -> None:
         for i, (check, report) in enumerate(zip(checks, reports, strict=True)):
             assert check["wrapper"][WRAPPER_FLAG[backend]]
             assert check["adapter_id"] == report["adapter_id"] == i + 1
-            assert len(check["loaded"]) == 1, "the previous adapter must be unloaded"
             if colocated:
-                assert check["loaded"] == [i + 1]
-            assert check["compared"] == 8 and check["adapter_problems"] == [], check["adapter_problems"]
+                assert check["loaded"] == [i + 1], "the previous adapter must be unloaded"
+                assert check["compared"] == 8
+            else:
+                # every worker serves the last KEPT versions and its LoRA manager holds at most those
+                name = f"fsdp-vllm-sync-v{i + 1}"
+                served = [f"fsdp-vllm-sync-v{v}" for v in range(max(1, i + 2 - KEPT), i + 2)]
+                assert check["served"] == [served] * check["workers"], check["served"]
+                assert all(1 <= len(ids) <= KEPT for ids in check["loaded"]), check["loaded"]
+                assert name in served and check["compared"] == 8 * check["workers"]
+            assert check["adapter_problems"] == [], check["adapter_problems"]
             assert check["logits_problems"] == [], check["logits_problems"]
             assert report["tensors"] == 8
             # colocated: every rank loads the adapter; server mode: rank 0 sends it, rank 1 only gathers
@@ -110,3 +120,54 @@ def test_adapter_syncs_into_a_server_over_the_transfer(
         str(free_port()),
     )
     _check(result, backend, colocated=False)
+    _only_kept_versions_are_served(lora_server, last=result.ranks[0]["reports"][-1]["adapter_id"])
+
+
+def test_adapter_syncs_into_a_tensor_parallel_server(checkpoints, tmp_path) -> None:
+    """docs/adapters.md's tensor-parallel LoRA server (`--tensor-parallel-size 2`): both workers hold exactly the
+    trainer's adapter under each version's name and serve the same kept versions, and the server's logprobs for the
+    adapter (computed by the two workers' shards of it) equal PEFT's merge of the trainer's weights; a request for a
+    version no longer kept is refused while the server stays healthy."""
+    model_dir = checkpoints("qwen2")
+    server = DocumentedServer(
+        model_dir, tmp_path / "server.log", "adapters.md", "--tensor-parallel-size 2", readable_weights=True
+    )
+    with server:
+        result = run_grpo(
+            model_dir, tmp_path / "job", "fsdp2", "--peft", "--adapter", "--perturb", "0", "--steps", str(STEPS),
+            "--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port()),
+        )  # fmt: skip
+        _check(result, "fsdp2", colocated=False)
+        assert all(c["workers"] == 2 for r in result.ranks for c in r["checks"])
+        _only_kept_versions_are_served(server, last=result.ranks[0]["reports"][-1]["adapter_id"])
+        server.raise_on_worker_death()
+
+
+def _only_kept_versions_are_served(server: VLLMServerProcess, *, last: int) -> None:
+    """After several adapter syncs: a request naming a version no longer kept, or one never pushed, gets a clean
+    4xx; the server stays healthy and serves every kept version; `/v1/models` lists exactly those.
+
+    Regression (issue 40): the API server remembered every version it had resolved, and a request naming one the
+    worker had unloaded killed the engine core (HTTP 500, `/health` 503, the current version no longer served)."""
+    import requests
+
+    url = server.base_url
+    kept = [f"fsdp-vllm-sync-v{v}" for v in range(last - KEPT + 1, last + 1)]
+    gone = [f"fsdp-vllm-sync-v{v}" for v in range(1, last - KEPT + 1)] + ["fsdp-vllm-sync-v999"]
+    assert len(gone) >= 2, "the job must push more versions than the server keeps"
+
+    def complete(model: str) -> requests.Response:
+        body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0.0}
+        return requests.post(f"{url}/v1/completions", json=body, timeout=120)
+
+    for name in gone:
+        answer = complete(name)
+        assert 400 <= answer.status_code < 500, (name, answer.status_code, answer.text[:300])
+        health = requests.get(f"{url}/health", timeout=30).status_code
+        assert health == 200, f"/health {health} after a request for {name}:\n{server.log_tail()}"
+    for name in kept:
+        answer = complete(name)
+        assert answer.status_code == 200, (name, answer.status_code, answer.text[:300])
+    listed = {m["id"] for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"]}
+    assert listed - {server.model_dir} == set(kept), listed
+    assert server.running

@@ -12,9 +12,6 @@ model directory (`DIR`), the port (a free one: CI runs tests side by side), the 
 
 from __future__ import annotations
 
-import re
-import shlex
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,43 +20,16 @@ import requests
 from fsdp_sync._demo.dist import free_port
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
+from .documented import DocumentedServer, documented_command as documented
 from .helpers import run_grpo
 
 pytestmark = pytest.mark.e2e
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "server.md"
-
+PAGE = "server.md"
 
 def documented_command() -> tuple[dict[str, str], list[str]]:
-    """The environment and arguments of docs/server.md's CPU server command (the line that runs vLLM's API server
-    module, with its continuation lines)."""
-    lines = DOC.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if "-m vllm.entrypoints.openai.api_server" in line)
-    command = []
-    for line in lines[start:]:
-        command.append(line.rstrip().removesuffix("\\"))
-        if not line.rstrip().endswith("\\"):
-            break
-    words = shlex.split(" ".join(command))
-    env = {}
-    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
-        key, _, value = words.pop(0).partition("=")
-        env[key] = value
-    return env, words
-
-
-class DocumentedServer(VLLMServerProcess):
-    """docs/server.md's command, with only the model directory, the port and the interpreter filled in."""
-
-    def __init__(self, model_dir: Path, log_path: Path) -> None:
-        env, self.words = documented_command()
-        super().__init__(model_dir, log_path, readable_weights=False, env=env)
-
-    def command(self) -> list[str]:
-        words = [sys.executable if w.endswith("bin/python") else w for w in self.words]
-        words = [str(self.model_dir) if w == "DIR" else w for w in words]
-        words[words.index("--port") + 1] = str(self.port)
-        return words
+    """docs/server.md's (first) CPU server command."""
+    return documented(PAGE)
 
 
 def test_the_documented_command_parses_to_the_server_it_names() -> None:
@@ -67,6 +37,36 @@ def test_the_documented_command_parses_to_the_server_it_names() -> None:
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}, env
     assert words[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], words
     assert "--weight-transfer-config" in words and "DIR" in words and "--port" in words, words
+
+
+@pytest.mark.parametrize(
+    ("page", "containing", "needs"),
+    [
+        ("server.md", "--tensor-parallel-size 2", {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+        ("server.md", "--data-parallel-size 2", {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+        ("adapters.md", "--enable-lora", {"FSDP_VLLM_SYNC_ADAPTER_VERSIONS": "2"}),
+        ("adapters.md", "--tensor-parallel-size 2", {"FSDP_VLLM_SYNC_ADAPTER_VERSIONS": "2",
+                                                     "VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+    ],
+)
+def test_the_documented_multi_worker_and_lora_commands_parse(page: str, containing: str, needs: dict) -> None:
+    """The commands the shared TP2, DP2 and LoRA servers run (tests/e2e/conftest.py) are the pages' own."""
+    env, words = documented(page, containing)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and all(env[k] == v for k, v in needs.items()), env
+    assert words[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], words
+    assert "--weight-transfer-config" in words and "DIR" in words and "--port" in words, words
+    if "--enable-lora" in words:
+        assert int(words[words.index("--max-cpu-loras") + 1]) >= int(needs["FSDP_VLLM_SYNC_ADAPTER_VERSIONS"])
+
+
+def test_a_dead_worker_is_named_with_its_exit_code(tmp_path: Path) -> None:
+    """What vLLM logs when a worker dies is turned into an error naming the worker and its exit code."""
+    server = VLLMServerProcess(tmp_path, tmp_path / "server.log")
+    line = "ERROR Worker proc VllmWorker-1 died unexpectedly (exit code: -4), shutting down executor."
+    server.log_path.write_text(f"INFO ok\n{line}\n")
+    assert server.worker_deaths() == [("VllmWorker-1", -4)]
+    with pytest.raises(RuntimeError, match=r"VllmWorker-1 \(exit code -4\)"):
+        server.raise_on_worker_death()
 
 
 def _synced(result) -> None:  # type: ignore[no-untyped-def]
@@ -95,7 +95,7 @@ def _completion(server: VLLMServerProcess, served: str) -> str:
 
 def test_the_documented_server_serves_a_completion_syncs_and_serves_again(checkpoints, tmp_path: Path) -> None:
     model_dir = checkpoints("qwen2")
-    with DocumentedServer(model_dir, tmp_path / "server.log") as server:
+    with DocumentedServer(model_dir, tmp_path / "server.log", PAGE) as server:
         served = requests.get(f"{server.base_url}/v1/models", timeout=60).json()["data"][0]["id"]
         before = _completion(server, served)
         result = run_grpo(
@@ -104,7 +104,6 @@ def test_the_documented_server_serves_a_completion_syncs_and_serves_again(checkp
         )  # fmt: skip
         _synced(result)
         after = _completion(server, served)
+        server.raise_on_worker_death()
         assert server.process is not None and server.process.poll() is None, server.log_tail()
-        log = server.log_tail(10**6)
-    assert "died unexpectedly" not in log, log[-4000:]
     print(f"documented server: up in {server.startup_seconds:.0f} s; completions {before!r} -> {after!r}")

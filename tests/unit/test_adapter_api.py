@@ -100,23 +100,69 @@ def test_adapter_and_sparse_options_exclude_each_other() -> None:
     assert SyncConfig().adapter is None
 
 
-def test_a_server_reports_its_lora_rank_and_pushed_names_resolve_to_memory() -> None:
-    """`/server_info` with a LoRA config gives the rank adapter syncs check against; a pushed adapter's name resolves
-    to a request for the in-memory adapter (its path names no file), any other name to nothing."""
-    import asyncio
-
-    from fsdp_sync.compat.lora_api import IN_MEMORY_PATH
-    from fsdp_sync.compat.lora_patches import InMemoryLoRAResolver
+def test_a_server_reports_its_lora_rank() -> None:
+    """`/server_info` with a LoRA config gives the rank adapter syncs check against."""
     from fsdp_sync.compat.server_api import parse_server_info
 
     answer = {"vllm_config": {"model_config": {"model": "/m", "dtype": "float32"}, "lora_config": {"max_lora_rank": 8}}}
     assert parse_server_info(answer).max_lora_rank == 8
     del answer["vllm_config"]["lora_config"]
     assert parse_server_info(answer).max_lora_rank is None
-    resolver = InMemoryLoRAResolver()
-    request = asyncio.run(resolver.resolve_lora("/m", "fsdp-vllm-sync-v3"))
-    assert request.lora_name == "fsdp-vllm-sync-v3" and request.lora_path.startswith(IN_MEMORY_PATH)
-    assert asyncio.run(resolver.resolve_lora("/m", "some/other-adapter")) is None
+
+
+def test_the_api_server_serves_exactly_the_last_k_pushed_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each adapter push the API server's names (`lora_requests`, what `/v1/models` lists and what a request
+    may name) are the last K pushed: older in-memory versions are dropped, a path-loaded adapter is kept, a re-pushed
+    name gets a fresh id. Regression (issue 40): every name ever resolved stayed, and naming an unloaded one killed
+    the engine."""
+    from vllm.lora.request import LoRARequest
+    from vllm.utils.counter import AtomicCounter
+
+    from fsdp_sync.compat import lora_patches
+    from fsdp_sync.compat.lora_api import IN_MEMORY_PATH
+
+    monkeypatch.setattr(lora_patches, "_API_SERVED", [])
+    monkeypatch.setattr(lora_patches, "_SERVING_MODELS", lora_patches.weakref.WeakSet())
+    on_disk = LoRARequest(lora_name="mine", lora_int_id=1, lora_path="/adapters/mine")
+    models = _ServingModels({"mine": on_disk}, AtomicCounter(1))
+    lora_patches._SERVING_MODELS.add(models)
+    for version in (1, 2, 3):
+        info = {"names": ["x"], "adapter": {"id": version, "name": f"fvs-v{version}", "config": {}}}
+        (name,) = lora_patches._pushed_adapter_names([info] if version == 2 else info)
+        lora_patches._serve_pushed(name, keep=2)
+    assert list(models.lora_requests) == ["mine", "fvs-v2", "fvs-v3"]
+    assert models.lora_requests["fvs-v3"].lora_path == f"{IN_MEMORY_PATH}/fvs-v3"
+    old_id = models.lora_requests["fvs-v3"].lora_int_id
+    lora_patches._serve_pushed("fvs-v3", keep=2)
+    assert models.lora_requests["fvs-v3"].lora_int_id != old_id
+    assert lora_patches._API_SERVED == ["fvs-v2", "fvs-v3"]
+    assert lora_patches._pushed_adapter_names({"names": ["x"]}) == []
+
+
+class _ServingModels:
+    """What `_serve_pushed` uses of vLLM's `OpenAIServingModels`."""
+
+    def __init__(self, lora_requests: dict, lora_id_counter: object) -> None:
+        self.lora_requests = lora_requests
+        self.lora_id_counter = lora_id_counter
+
+
+def test_kept_versions_are_bounded_by_the_servers_lora_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from fsdp_sync.compat.lora_patches import ADAPTER_VERSIONS_ENV, kept_versions, version_refusal
+
+    monkeypatch.delenv(ADAPTER_VERSIONS_ENV, raising=False)
+    assert kept_versions() == 1
+    monkeypatch.setenv(ADAPTER_VERSIONS_ENV, "3")
+    assert kept_versions() == 3
+    assert version_refusal(3, SimpleNamespace(max_loras=1, max_cpu_loras=3)) is None
+    refusal = version_refusal(3, SimpleNamespace(max_loras=1, max_cpu_loras=2))
+    assert refusal is not None and "max_cpu_loras=2" in refusal and "--max-cpu-loras 3" in refusal
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(ADAPTER_VERSIONS_ENV, bad)
+        with pytest.raises(ValueError, match=ADAPTER_VERSIONS_ENV):
+            kept_versions()
 
 
 class _AdapterEngine:
