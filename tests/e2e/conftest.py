@@ -58,11 +58,12 @@ def lora_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
         process.raise_on_worker_death()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tp2_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
     """docs/server.md's tensor-parallel CPU command, as written there (`--tensor-parallel-size 2`: every column/row-
     parallel weight split over two workers; `VLLM_CPU_OMP_THREADS_BIND="0|1"`: one worker per core), with readable
-    weights. Every job starts with a complete sync."""
+    weights. Every job starts with a complete sync. NOTE: module-scoped: its workers hold both cores' bindings and
+    their memory, so it stops with the one module that uses it."""
     server = DocumentedServer(
         checkpoints("qwen2"), tmp_path_factory.mktemp("tp2_server") / "server.log", "server.md",
         "--tensor-parallel-size 2", readable_weights=True,
@@ -72,7 +73,7 @@ def tp2_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
         process.raise_on_worker_death()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def dp2_server(checkpoints, tmp_path_factory: pytest.TempPathFactory):
     """docs/server.md's data-parallel CPU command (`--data-parallel-size 2`: two whole replicas), as `tp2_server`."""
     server = DocumentedServer(
