@@ -1,4 +1,4 @@
-"""One sync, in the order every mode shares: plan -> check -> select -> push -> verify -> settle -> report.
+"""One sync, in the order every mode shares: plan -> check -> select -> push -> verify -> publish -> settle -> report.
 
 Where each step lives (`fsdp_sync/sync/`): the plan and the checks before any gather (`plan.py`), what this sync
 sends (a selection policy chosen once, `select.py`: everything, `delta.py`, `sparse.py`), the data path (`stream.py`),
@@ -163,6 +163,8 @@ class WeightSync:
                 verify_seconds = time.perf_counter() - started + (digests.seconds if digests is not None else 0.0)
                 if verified.unverifiable:
                     logger.warning("weight sync: %s", verified.describe_unverifiable())
+            # Last: the engine's weight version moves only once every rank has agreed (and verified).
+            self.push.publish(pushed)
         except SyncError:
             self.resync()  # the engine may hold anything the failure left: the next sync is complete
             raise

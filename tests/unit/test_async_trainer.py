@@ -437,3 +437,25 @@ def test_adapter_syncs_are_refused_for_the_async_trainer_and_merged_is_its_defau
     with pytest.raises(UnsupportedSetupError, match=r"rollout worker names the model of every request.*adapter=False"):
         Trainer(model="unused", args=SimpleNamespace(), sync_config=SyncConfig(adapter=True))
     assert _merged_for_async(SyncConfig()).adapter is False
+
+
+def test_a_failed_verify_moves_no_version(monkeypatch, tmp_path: Path) -> None:
+    """Versions are published last: a push written on the server but failed by `verify` (its digests differ from
+    what was sent) leaves the server's weight version where it was, and the next good sync moves it."""
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.errors import VerifyError
+
+    sync, client = _pausing_sync(monkeypatch, tmp_path, "gloo")
+    sync = WeightSync(OneTensor(), sync.writer, SyncConfig(delta=False, verify=True), rules=NameRules())
+    sent = OneTensor().value.to(torch.bfloat16)
+    digest = __import__("hashlib").sha256(sent.contiguous().view(torch.uint8).numpy().data).hexdigest()
+    client.checksums = {"dp0:pp0:pcp0:tp0:w.weight": "0" * 64}
+    client.weight_checksums = lambda: dict(client.checksums)  # type: ignore[attr-defined]
+    with pytest.raises(VerifyError, match="w.weight") as failed:
+        sync.sync()
+    assert "commit" in StagingEngine.calls  # the weights were written
+    assert client.version == "default", "a failed verify moved the server's weight version"
+    assert failed.value.engine is not None and str(failed.value).endswith(f"This rank's engine {failed.value.engine.describe()}.")
+    client.checksums = {"dp0:pp0:pcp0:tp0:w.weight": digest}
+    sync.sync()
+    assert client.version.startswith("fsdp-vllm-sync:") and client.version.endswith(":v7")
