@@ -183,6 +183,7 @@ class PausingClient:
 
     def __init__(self) -> None:
         self.version = "default"
+        self.fail_resume: Exception | None = None
 
     def world_size(self) -> int:
         return 1
@@ -192,6 +193,8 @@ class PausingClient:
 
     def resume(self) -> None:
         StagingEngine.calls.append("resume")
+        if self.fail_resume is not None:
+            raise self.fail_resume
 
     def reset_prefix_cache(self) -> None:
         StagingEngine.calls.append("reset")
@@ -252,7 +255,8 @@ def test_a_staging_transport_sends_unpaused_and_pauses_only_for_the_write(monkey
 def test_nccl_cannot_stage_so_the_pause_covers_the_send(monkeypatch, tmp_path: Path) -> None:
     sync, _ = _pausing_sync(monkeypatch, tmp_path, "nccl")
     sync.sync()
-    assert StagingEngine.calls == ["pause", "send", "resume", "reset"]
+    # The prefix cache is reset inside the pause: a request resumed before it could reuse blocks of the old weights.
+    assert StagingEngine.calls == ["pause", "send", "reset", "resume"]
 
 
 def test_a_write_that_fails_under_the_pause_still_resumes_the_server(monkeypatch, tmp_path: Path) -> None:
@@ -262,6 +266,7 @@ def test_a_write_that_fails_under_the_pause_still_resumes_the_server(monkeypatch
         sync.sync()
     assert StagingEngine.calls[:4] == ["send(staged)", "pause", "commit", "resume"]
     assert failed.value.engine is not None and failed.value.engine.status == "mixed"
+    assert sync.writer.last_pause is not None, "the server was paused: the pause is timed"  # type: ignore[attr-defined]
     assert client.version == "default"  # nothing stamped
     StagingEngine.fail_commit = None
     StagingEngine.calls = []
@@ -459,3 +464,38 @@ def test_a_failed_verify_moves_no_version(monkeypatch, tmp_path: Path) -> None:
     client.checksums = {"dp0:pp0:pcp0:tp0:w.weight": digest}
     sync.sync()
     assert client.version.startswith("fsdp-vllm-sync:") and client.version.endswith(":v7")
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_a_resume_that_fails_after_a_failed_write_keeps_the_writes_error(monkeypatch, tmp_path: Path, backend) -> None:
+    """The write's error is the one raised (the resume's is logged beside it), on both transports."""
+    sync, client = _pausing_sync(monkeypatch, tmp_path, backend)
+    client.fail_resume = ServerRequestError("HTTP 500: resume refused")
+    if backend == "gloo":
+        StagingEngine.fail_commit = ServerRequestError("HTTP 500: a staged update did not arrive whole")
+    else:
+        client.reset_prefix_cache = lambda: (_ for _ in ()).throw(ServerRequestError("HTTP 500: reset refused"))  # type: ignore[method-assign]
+    with pytest.raises(SyncError) as failed:
+        sync.sync()
+    text = str(failed.value)
+    assert ("did not arrive whole" if backend == "gloo" else "reset refused") in text, text
+    assert "resume refused" not in text, text
+    assert sync.writer.last_pause is not None  # type: ignore[attr-defined]
+    assert client.version == "default"
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_a_resume_that_fails_after_a_good_write_is_reported_as_such(monkeypatch, tmp_path: Path, backend) -> None:
+    """Not as a failed write: the weights are in (the engine holds every weight of the sync), the server stays
+    paused, and the version does not move (the sync failed)."""
+    from fsdp_sync.writers.server import ServerResumeError
+
+    sync, client = _pausing_sync(monkeypatch, tmp_path, backend)
+    client.fail_resume = ServerRequestError("HTTP 500: resume refused")
+    with pytest.raises(ServerResumeError, match="written, but the vLLM server could not be resumed") as failed:
+        sync.sync()
+    assert "failed to write" not in str(failed.value)
+    assert failed.value.engine is not None and failed.value.engine.status == "current"
+    assert str(failed.value).endswith(f"This rank's engine {failed.value.engine.describe()}.")
+    assert sync.writer.last_pause is not None  # type: ignore[attr-defined]
+    assert client.version == "default"
