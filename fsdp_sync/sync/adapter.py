@@ -109,6 +109,9 @@ def adapter_refusal(
         return "the model has no PEFT adapter"
     if not isinstance(writer, AdapterWriter):
         return f"the {writer.kind} writer does not load adapters"
+    transport = writer.adapter_transport_refusal()
+    if transport is not None:
+        return transport
     # NOTE: on every rank (a server's configuration is known to all), so that every rank decides alike.
     limits = writer.lora_limits()
     if limits is None:

@@ -329,14 +329,23 @@ class ServerWriter:
         rank = self.info.max_lora_rank
         return LoRALimits(rank, None, None) if rank is not None else None
 
+    def adapter_transport_refusal(self) -> str | None:
+        if self.backend != "gloo":
+            return (
+                f"adapter syncs to a server travel over this package's 'gloo' weight-transfer backend; the server "
+                f"uses {self.backend!r}"
+            )
+        return None
+
     def base_checkpoint(self) -> str:
         return self.checkpoint_dir
 
     def load_adapter(self, adapter: Adapter) -> None:
         """Send the adapter's tensors over the transfer; the server builds it and serves it to the next request that
         names it (`adapter.name`)."""
-        if self.backend != "gloo":
-            raise ServerConfigError(f"adapter syncs travel over the gloo backend; the server uses {self.backend!r}")
+        refusal = self.adapter_transport_refusal()
+        if refusal is not None:
+            raise ServerConfigError(refusal)
         self._source = self._source or plan_source(())
         try:
             engine = self._begin_round()

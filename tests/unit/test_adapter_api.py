@@ -134,6 +134,9 @@ class _AdapterEngine:
     def lora_limits(self) -> LoRALimits | None:
         return self.limits
 
+    def adapter_transport_refusal(self) -> str | None:
+        return None
+
     def base_checkpoint(self) -> str:
         return "/nonexistent"
 
@@ -169,3 +172,25 @@ def test_adapter_syncs_by_default_where_the_engine_serves_the_adapter_else_merge
     assert "started without LoRA" in caplog.text and "DoRA" in caplog.text
     with pytest.raises(UnsupportedSetupError, match="SyncConfig\\(adapter=False\\)"):
         _adapter_sync(_tiny_peft(use_dora=True), _AdapterEngine(LIMITS), SyncConfig(adapter=True), cpu, None)
+
+
+def test_a_server_whose_transport_cannot_carry_an_adapter_falls_back_to_merged_syncs(monkeypatch, caplog) -> None:
+    """`adapter=None` on an NCCL server started with LoRA: merged syncs, the reason logged (no first push that fails);
+    `adapter=True` there is refused before anything is written, with the same reason."""
+    import logging
+
+    from fsdp_sync.assemble import _adapter_sync
+    from fsdp_sync.compat.server_api import ServerInfo
+    from fsdp_sync.errors import UnsupportedSetupError
+    from fsdp_sync.writers import server as server_writer
+
+    monkeypatch.setattr(server_writer.torch.cuda, "is_available", lambda: True)  # lets the nccl transport be chosen
+    info = ServerInfo(model="/srv/m", dtype=torch.float32, weight_transfer_backend="nccl", served_name="m",
+                      max_lora_rank=8)  # fmt: skip
+    writer = server_writer.ServerWriter(None, info, group_port=1, buffer_bytes=1024, timeout_s=5)
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger="fsdp_sync.assemble"):
+        assert _adapter_sync(_tiny_peft(), writer, SyncConfig(), cpu, None) is None
+    assert "merged syncs, not adapter syncs" in caplog.text and "'nccl'" in caplog.text
+    with pytest.raises(UnsupportedSetupError, match="uses 'nccl'"):
+        _adapter_sync(_tiny_peft(), writer, SyncConfig(adapter=True), cpu, None)
