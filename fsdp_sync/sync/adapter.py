@@ -11,8 +11,9 @@ contract: `sync()` on every rank, one `SyncReport`, a failure on any rank raised
 Steps:
 1. plan, once: the adapter's weights by trainer name, their PEFT checkpoint names, its config; what the engine
    cannot serve is refused before anything is written (`adapter_refusal`).
-2. the base, once: every rank compares its own shards of the frozen base with the engine's checkpoint (sha256 of
-   the same elements on both sides, no gather); a different base is an error before anything is written.
+2. the base, once: every rank compares its own shards of the frozen base with the same elements of the engine's
+   checkpoint (`torch.equal`; only the rows holding them are read; no gather); a different base is an error before
+   anything is written.
 3. every sync: this rank's pieces of the adapter (`Gatherer.local_pieces`), exchanged (`gather_pieces`), built into
    an adapter that every rank agrees on, then loaded into the engine under a new id (`AdapterWriter.load_adapter`);
    the previous version is unloaded.
@@ -20,7 +21,7 @@ Steps:
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import logging
 import math
 import time
@@ -218,27 +219,45 @@ def _exchange(
 
 
 def base_mismatches(plan: AdapterPlan, pieces: Iterable[Piece], checkpoint_dir: str) -> list[str]:
-    """This rank's frozen-base pieces against the same elements of the engine's checkpoint, by sha256 (local work:
-    each rank reads only the tensors it holds part of, and only its elements are compared)."""
-    files = _checkpoint_files(checkpoint_dir)
-    problems: list[str] = []
+    """This rank's frozen-base pieces against the same elements of the engine's checkpoint, compared with
+    `torch.equal` (local work: each rank reads from the files only the rows that hold its own elements, of the
+    tensors it holds part of; the files are closed on return)."""
     from safetensors import safe_open
 
-    handles: dict[Path, Any] = {}
-    for piece in pieces:
-        n = piece.values.numel()
-        if not n:
-            continue
-        target = plan.base[piece.name]
-        path = files.get(target)
-        if path is None:
-            problems.append(f"{target}: not in the engine's checkpoint")
-            continue
-        handle = handles.get(path) or handles.setdefault(path, safe_open(str(path), framework="pt"))
-        stored = handle.get_tensor(target).reshape(-1)[piece.start : piece.start + n].to(piece.values.dtype)
-        if _digest(stored) != _digest(piece.values):
-            problems.append(f"{target}: differs from the trainer's frozen base")
+    files = _checkpoint_files(checkpoint_dir)
+    problems: list[str] = []
+    with contextlib.ExitStack() as opened:
+        handles: dict[Path, Any] = {}
+        for piece in pieces:
+            n = piece.values.numel()
+            if not n:
+                continue
+            target = plan.base[piece.name]
+            path = files.get(target)
+            if path is None:
+                problems.append(f"{target}: not in the engine's checkpoint")
+                continue
+            handle = handles.get(path)
+            if handle is None:
+                handle = handles[path] = opened.enter_context(safe_open(str(path), framework="pt"))
+            stored = _stored_elements(handle, target, piece.start, n).to(piece.values.dtype)
+            if not torch.equal(stored, piece.values.detach().reshape(-1).to(stored.device)):
+                problems.append(f"{target}: differs from the trainer's frozen base")
     return problems
+
+
+def _stored_elements(handle: Any, name: str, start: int, count: int) -> torch.Tensor:
+    """Elements `[start, start + count)` of tensor `name` flattened, reading only the rows (first-dimension slices)
+    that hold them."""
+    view = handle.get_slice(name)
+    shape = view.get_shape()
+    if not shape:  # a scalar
+        return handle.get_tensor(name).reshape(-1)[start : start + count]
+    row = math.prod(shape[1:])
+    first, last = start // row, (start + count - 1) // row + 1
+    rows = view[first:last].reshape(-1)
+    offset = start - first * row
+    return rows[offset : offset + count]
 
 
 def _checkpoint_files(checkpoint_dir: str) -> dict[str, Path]:
@@ -251,10 +270,6 @@ def _checkpoint_files(checkpoint_dir: str) -> dict[str, Path]:
     if not files:
         raise FileNotFoundError(f"no safetensors files in the engine's checkpoint {checkpoint_dir}")
     return files
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data).hexdigest()
 
 
 class AdapterSync:

@@ -194,3 +194,58 @@ def test_a_server_whose_transport_cannot_carry_an_adapter_falls_back_to_merged_s
     assert "merged syncs, not adapter syncs" in caplog.text and "'nccl'" in caplog.text
     with pytest.raises(UnsupportedSetupError, match="uses 'nccl'"):
         _adapter_sync(_tiny_peft(), writer, SyncConfig(adapter=True), cpu, None)
+
+
+def test_the_base_check_reads_only_each_pieces_rows_compares_exactly_and_closes_its_files(monkeypatch, tmp_path) -> None:
+    import safetensors
+    from safetensors.torch import save_file
+
+    from fsdp_sync.gather.base import Piece
+    from fsdp_sync.sync.adapter import AdapterPlan, base_mismatches
+
+    weight = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    save_file({"w.weight": weight, "n.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    real, opened, reads = safetensors.safe_open, [], []
+
+    class Recorded:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.inner = real(*args, **kwargs)
+
+        def __enter__(self) -> Recorded:
+            self.inner.__enter__()
+            opened.append(self)
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            opened.remove(self)
+            self.inner.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return self.inner.keys()
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            raise AssertionError(f"the whole of {name} was read")
+
+        def get_slice(self, name: str) -> object:
+            view = self.inner.get_slice(name)
+
+            class Rows:
+                def get_shape(self) -> list[int]:
+                    return view.get_shape()
+
+                def __getitem__(self, rows: slice) -> torch.Tensor:
+                    reads.append((name, rows.start, rows.stop))
+                    return view[rows]
+
+            return Rows()
+
+    monkeypatch.setattr(safetensors, "safe_open", Recorded)
+    plan = AdapterPlan((), {}, {"w": "w.weight", "n": "n.weight"}, {}, "default")
+    # Elements 13..21 of the flattened weight (rows 3 to 5), and the whole norm.
+    pieces = [Piece("w", weight.reshape(-1)[13:22].clone(), 13), Piece("n", torch.ones(4), 0)]
+    assert base_mismatches(plan, pieces, str(tmp_path)) == []
+    assert reads == [("w.weight", 3, 6), ("n.weight", 0, 4)] and opened == []
+    changed = weight.reshape(-1)[13:22].clone()
+    changed[4] += 1e-6 * changed[4]  # one element, by one ulp's order: a digest or torch.equal, not allclose
+    assert base_mismatches(plan, [Piece("w", changed, 13)], str(tmp_path)) == ["w.weight: differs from the trainer's frozen base"]
+    assert opened == []
