@@ -38,16 +38,22 @@ from fsdp_sync.compat.names import Dropped, NameRules, canonical_name, unwrapped
 
 from ..config import SyncConfig
 from ..distributed import Coordinator, agreed, collective
-from ..errors import EngineState, RankFailure, SyncError, UnsupportedSetupError, agreed_error
+from ..errors import EngineState, NonFiniteWeightsError, RankFailure, SyncError, UnsupportedSetupError, agreed_error
 from ..gather.base import Gatherer, Piece
 from ..report import AdapterFigures, SyncReport
-from ..writers.base import AdapterWriter, EngineWriter
+from ..writers.base import AdapterWriter, BoundedWriter, EngineWriter
+from .contract import writer_budget
 
 __all__ = ["AdapterPlan", "AdapterSync", "adapter_plan", "adapter_refusal", "gather_pieces"]
 
 logger = logging.getLogger(__name__)
 
 FALLBACK = "use merged syncs instead: SyncConfig(adapter=False), which merge the adapter into the base and push both"
+# Why `SyncConfig(verify=True)` does not apply to adapter syncs (refused with adapter=True; merged syncs otherwise).
+VERIFY_REFUSAL = (
+    "verify=True compares the engine's own weight digests with what was sent, and the engine gives no digests of "
+    "the adapters in its LoRA manager"
+)
 
 
 @dataclass(frozen=True)
@@ -260,6 +266,21 @@ def _stored_elements(handle: Any, name: str, start: int, count: int) -> torch.Te
     return rows[offset : offset + count]
 
 
+def _check_finite(pieces: Iterable[Piece]) -> None:
+    """`SyncConfig(check_finite=True)`: this rank's pieces of the adapter hold no NaN or Inf (local work, before
+    they are exchanged).
+
+    Raises:
+        NonFiniteWeightsError: naming every adapter weight that holds one; nothing was sent.
+    """
+    bad = sorted({p.name for p in pieces if p.values.numel() and not bool(torch.isfinite(p.values).all())})
+    if bad:
+        raise NonFiniteWeightsError(
+            f"NaN or Inf in {len(bad)} adapter weight(s) on this rank: {_few(bad, 8)}; nothing was sent (the engine "
+            "keeps the previous adapter). Training has diverged: look at the loss and the learning rate."
+        )
+
+
 def _checkpoint_files(checkpoint_dir: str) -> dict[str, Path]:
     from safetensors import safe_open
 
@@ -307,6 +328,19 @@ class AdapterSync:
         self.version = 0
         self._plan: AdapterPlan | None = None
         self._base_seconds = 0.0
+        # Decided once: whether this rank's writer has waits outside this process to bound by the sync's deadline.
+        self._bounded = writer if writer.pushes and isinstance(writer, BoundedWriter) else None
+
+    # --- the `contract.Sync` the mixin drives ---
+
+    strategy = "adapter-pieces"
+    serves_adapter = True
+    sync_plan = None  # an adapter sync's plan is its `AdapterPlan` (`checked_plan`)
+
+    @property
+    def writer_kind(self) -> str:
+        """Where the adapter goes: a colocated engine's LoRA manager, or the server's over its transfer."""
+        return "colocate:lora_manager" if self.writer.engine_per_rank else self.writer.kind
 
     @property
     def checked_plan(self) -> AdapterPlan | None:
@@ -371,6 +405,8 @@ class AdapterSync:
                 came before the load).
         """
         self.coordinator.reopen()
+        if self._bounded is not None:
+            self._bounded.bound(time.monotonic() + writer_budget(self.config.sync_timeout_s))
         first = self._plan is None
         plan = self.plan()
         start = time.perf_counter()
@@ -378,6 +414,8 @@ class AdapterSync:
         pieces = agreed(
             self.coordinator, "adapter.pieces", lambda: list(self.gatherer.local_pieces(plan.names)), self._failed
         )
+        if self.config.check_finite:
+            agreed(self.coordinator, "check", lambda: _check_finite(pieces), self._failed)
         numels = [math.prod(specs[n].shape) for n in plan.names]
         dtypes = [specs[n].dtype for n in plan.names]
         version = self.version + 1
@@ -419,8 +457,8 @@ class AdapterSync:
             peak_extra_bytes=sum(math.prod(specs[n].shape) * specs[n].dtype.itemsize for n in plan.names),
             memory_source="accounted",
             backend=self.backend,
-            strategy="adapter-pieces",
-            writer=self.writer.kind,
+            strategy=self.strategy,
+            writer=self.writer_kind,
             figures=(
                 AdapterFigures(
                     adapter_id=version,

@@ -166,6 +166,8 @@ def test_adapter_syncs_by_default_where_the_engine_serves_the_adapter_else_merge
     cpu = torch.device("cpu")
     sync = _adapter_sync(_tiny_peft(), _AdapterEngine(LIMITS), SyncConfig(), cpu, None)
     assert isinstance(sync, AdapterSync) and sync.plan is not None
+    # Reported as what runs: the adapter's pieces exchanged, into the engine's LoRA manager (nothing reloaded).
+    assert (sync.strategy, sync.writer_kind) == ("adapter-pieces", "colocate:lora_manager")
     with caplog.at_level(logging.INFO, logger="fsdp_sync.assemble"):
         assert _adapter_sync(_tiny_peft(), _AdapterEngine(None), SyncConfig(), cpu, None) is None
         assert _adapter_sync(_tiny_peft(use_dora=True), _AdapterEngine(LIMITS), SyncConfig(), cpu, None) is None
@@ -249,3 +251,25 @@ def test_the_base_check_reads_only_each_pieces_rows_compares_exactly_and_closes_
     changed[4] += 1e-6 * changed[4]  # one element, by one ulp's order: a digest or torch.equal, not allclose
     assert base_mismatches(plan, [Piece("w", changed, 13)], str(tmp_path)) == ["w.weight: differs from the trainer's frozen base"]
     assert opened == []
+
+
+def test_every_option_applies_to_adapter_syncs_or_is_refused(caplog) -> None:
+    """`verify` (the engine gives no digests of its adapters): refused with adapter=True, merged syncs with
+    adapter=None (the reason logged); `sparse` likewise; `check_finite` checks the adapter's own pieces."""
+    import logging
+
+    from fsdp_sync.assemble import _adapter_sync
+    from fsdp_sync.errors import NonFiniteWeightsError
+    from fsdp_sync.gather.base import Piece
+    from fsdp_sync.sync.adapter import _check_finite
+
+    with pytest.raises(ValueError, match="adapter=True with verify=True"):
+        SyncConfig(adapter=True, verify=True)
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger="fsdp_sync.assemble"):
+        assert _adapter_sync(_tiny_peft(), _AdapterEngine(LIMITS), SyncConfig(verify=True), cpu, None) is None
+        assert _adapter_sync(_tiny_peft(), _AdapterEngine(LIMITS), SyncConfig(sparse=True), cpu, None) is None
+    assert "no digests of the adapters" in caplog.text and "sparse=True" in caplog.text
+    _check_finite([Piece("a.lora_A", torch.ones(3), 0)])
+    with pytest.raises(NonFiniteWeightsError, match="a.lora_B"):
+        _check_finite([Piece("a.lora_A", torch.ones(3), 0), Piece("a.lora_B", torch.tensor([1.0, float("nan")]), 2)])

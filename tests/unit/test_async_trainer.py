@@ -26,7 +26,7 @@ from fsdp_sync.compat.weight_transfer import plan_source, source_metadata, sourc
 from fsdp_sync.errors import SyncError, UnsupportedSetupError
 from fsdp_sync.server_client import ServerRequestError
 from fsdp_sync.sync.pipeline import WeightSync
-from fsdp_sync.trainers.async_grpo import MixinWeightTransfer, run_async_sync
+from fsdp_sync.trainers.async_grpo import AsyncGRPOSeam, MixinWeightTransfer
 from fsdp_sync._demo.dist import free_port
 from fsdp_sync.transfer import gloo
 from fsdp_sync.writers import server as server_writer
@@ -88,9 +88,12 @@ def test_an_async_trainer_without_args_is_refused_with_what_to_pass() -> None:
 
 
 def test_trls_own_pause_send_and_resume_are_refused_and_destroy_closes_the_transfer() -> None:
-    closed = []
-    trainer = SimpleNamespace(_fvs_sync=SimpleNamespace(writer=SimpleNamespace(close=lambda: closed.append(1))))
-    transfer = MixinWeightTransfer(trainer)
+    """The `weight_transfer` the seam hands TRL's constructor: TRL's own pause/send/resume refuse (the mixin owns
+    the sync), and its `destroy` runs the close it was given."""
+    closed: list[int] = []
+    kwargs = AsyncGRPOSeam("Trainer").constructor_kwargs({"args": object()}, {"seed": 1}, lambda: closed.append(1))
+    transfer = kwargs["weight_transfer"]
+    assert isinstance(transfer, MixinWeightTransfer) and kwargs["seed"] == 1
     transfer.init_weight_transfer()  # nothing: set up at the first sync
     for call in (transfer.pause, transfer.resume, lambda: transfer.send_weights(iter(()))):
         with pytest.raises(RuntimeError, match=r"Call `trainer._sync_weight\(\)`"):
@@ -100,37 +103,46 @@ def test_trls_own_pause_send_and_resume_are_refused_and_destroy_closes_the_trans
 
 
 class _AsyncTrainer:
-    """What `run_async_sync` reads of the trainer."""
+    """The async trainer's public surface the seam uses: `model_version`, the rollout worker (main process), and
+    `Trainer.log` (where metrics go for a trainer without GRPO's metric buckets)."""
 
-    def __init__(self, fail: Exception | None = None) -> None:
+    def __init__(self) -> None:
         self.model_version = 3
-        self.fail = fail
         self.told: list[int] = []
         self.rollout_worker = SimpleNamespace(update_model_version=self.told.append)
-        self._metrics: dict[str, Any] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._fvs_sync = SimpleNamespace(writer=SimpleNamespace(last_pause=(0.25, 0.125)))
+        self.logged: list[dict[str, float]] = []
 
-    def sync_weights_to_vllm(self) -> object:
-        if self.fail is not None:
-            raise self.fail
-        return object()
+    def log(self, metrics: dict[str, float]) -> None:
+        self.logged.append(metrics)
 
 
 def test_the_policy_version_moves_after_a_sync_that_succeeded() -> None:
     trainer = _AsyncTrainer()
-    run_async_sync(trainer)
+    AsyncGRPOSeam("Trainer").sync(trainer, lambda: None, lambda: (0.25, 0.125))
     assert trainer.model_version == 4 and trainer.told == [4]
-    metrics = trainer._metrics["train"]
-    assert metrics["weight_sync/server_paused_s"] == [0.25] and metrics["weight_sync/server_write_s"] == [0.125]
-    assert len(metrics["perf/weight_sync_s"]) == 1
+    [metrics] = trainer.logged
+    assert metrics["weight_sync/server_paused_s"] == 0.25 and metrics["weight_sync/server_write_s"] == 0.125
+    assert metrics["perf/weight_sync_s"] >= 0
 
 
 def test_a_failed_sync_leaves_the_policy_version_and_the_rollout_worker_alone() -> None:
-    trainer = _AsyncTrainer(fail=SyncError("the weight sync failed on rank 1 (gather)"))
+    trainer = _AsyncTrainer()
+
+    def failing() -> None:
+        raise SyncError("the weight sync failed on rank 1 (gather)")
+
     with pytest.raises(SyncError, match="rank 1"):
-        run_async_sync(trainer)
-    assert trainer.model_version == 3 and trainer.told == []
-    assert not trainer._metrics["train"]
+        AsyncGRPOSeam("Trainer").sync(trainer, failing, lambda: None)
+    assert trainer.model_version == 3 and trainer.told == [] and trainer.logged == []
+
+
+def test_the_writer_labels_versions_with_the_next_policy_version_and_pauses_only_the_write() -> None:
+    trainer = _AsyncTrainer()
+    options = AsyncGRPOSeam("Trainer").writer_options(trainer)
+    assert options.pause_for_write and options.version_label is not None
+    assert options.version_label() == "v4"
+    trainer.model_version = 9
+    assert options.version_label() == "v10"
 
 
 # --- the writer: paused only for the write ------------------------------------------------------------------------
@@ -261,7 +273,7 @@ def test_nccl_cannot_stage_so_the_pause_covers_the_send(monkeypatch, tmp_path: P
 
 def test_a_write_that_fails_under_the_pause_still_resumes_the_server(monkeypatch, tmp_path: Path) -> None:
     sync, client = _pausing_sync(monkeypatch, tmp_path, "gloo")
-    StagingEngine.fail_commit = ServerRequestError("HTTP 500: a staged update did not arrive whole")
+    StagingEngine.fail_commit = ServerRequestError("HTTP 500: the reload failed at model.layers.0 (part-way)")
     with pytest.raises(ServerPushError, match="failed to write the staged weights") as failed:
         sync.sync()
     assert StagingEngine.calls[:4] == ["send(staged)", "pause", "commit", "resume"]
@@ -436,12 +448,11 @@ def test_gpt_oss_over_nccl_is_refused_only_where_the_server_lacks_the_fix(monkey
 
 def test_adapter_syncs_are_refused_for_the_async_trainer_and_merged_is_its_default() -> None:
     from fsdp_sync import SyncConfig
-    from fsdp_sync.mixin import _merged_for_async
 
     Trainer = _async_mixin_class()
     with pytest.raises(UnsupportedSetupError, match=r"rollout worker names the model of every request.*adapter=False"):
         Trainer(model="unused", args=SimpleNamespace(), sync_config=SyncConfig(adapter=True))
-    assert _merged_for_async(SyncConfig()).adapter is False
+    assert AsyncGRPOSeam("Trainer").sync_config(SyncConfig()).adapter is False
 
 
 def test_a_failed_verify_moves_no_version(monkeypatch, tmp_path: Path) -> None:
