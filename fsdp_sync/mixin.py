@@ -158,8 +158,13 @@ class FSDPVLLMSyncMixin:
         if target is None or target.entry != ASYNC_SYNC_WEIGHT:
             super()._sync_weight(*args, **kwargs)  # type: ignore[misc]
             return
+        self._fvs_seam.sync(self, self.sync_weights_to_vllm, self._fvs_last_pause)
+
+    def _fvs_last_pause(self) -> tuple[float, float] | None:
+        """The last push's pause of the server (`ServerWriter.last_pause`; read after the sync, whose first call
+        builds the writer)."""
         writer = self._fvs_server_writer
-        self._fvs_seam.sync(self, self.sync_weights_to_vllm, lambda: writer.last_pause if writer is not None else None)
+        return writer.last_pause if writer is not None else None
 
     @property
     def adapter_request(self) -> object | None:
