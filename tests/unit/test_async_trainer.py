@@ -510,3 +510,20 @@ def test_a_resume_that_fails_after_a_good_write_is_reported_as_such(monkeypatch,
     assert str(failed.value).endswith(f"This rank's engine {failed.value.engine.describe()}.")
     assert sync.writer.last_pause is not None  # type: ignore[attr-defined]
     assert client.version == "default"
+
+
+def test_a_stamp_that_fails_is_agreed_and_says_the_weights_are_in_under_the_old_version(monkeypatch, tmp_path) -> None:
+    """The publish step's own failure: raised on every rank (stage `publish`), the engine holding this sync's weights
+    under its previous version; the next sync is complete and stamps again."""
+    sync, client = _pausing_sync(monkeypatch, tmp_path, "gloo")
+
+    def refuse(version: str) -> None:
+        raise ServerRequestError("HTTP 500: update_weight_version refused")
+
+    client.update_weight_version = refuse  # type: ignore[method-assign]
+    with pytest.raises(SyncError, match=r"rank 0 \(publish\)") as failed:
+        sync.sync()
+    assert failed.value.engine is not None and failed.value.engine.status == "current"
+    assert "its weight version was not moved" in str(failed.value) and client.version == "default"
+    del client.update_weight_version
+    assert sync.sync().complete and client.version.endswith(":v7")
