@@ -42,7 +42,7 @@ class RankFailure:
             (inside a control collective of the sync's own groups: an agreement or a status round), `patch` (the
             sparse round: diff, counts, patches, and their collectives), `gather` (this rank's part of the all-gathers), `map`, `merge`, `cast` (turning a
             gathered tensor into the engine's), `push` (the engine or the transport), `verify` (the optional
-            read-back of the engine's digests); an adapter sync's: `adapter.plan` (its plan and base check),
+            read-back of the engine's digests), `publish` (stamping the engine's weight version, last); an adapter sync's: `adapter.plan` (its plan and base check),
             `adapter.pieces` (this rank's adapter pieces and their exchange), `push`. docs/failures.md lists the
             fault points of each.
     """
