@@ -320,6 +320,8 @@ class ServerWriter:
         self.last_pause: tuple[float, float] | None = None
         # A sync began since the last staged round was sent: what a failed sync left staged is dropped first.
         self._new_sync = True
+        # The name of the adapter the last adapter sync loaded (requests ask for it by that name).
+        self._adapter_name: str | None = None
 
     # --- AdapterWriter: adapter syncs (`fsdp_sync.sync.adapter`), over the transfer, into the server's LoRA manager ---
 
@@ -362,7 +364,7 @@ class ServerWriter:
 
     def adapter_request(self) -> object | None:
         """The name requests ask for the adapter by (TRL's client sends it as `model`)."""
-        return getattr(self, "_adapter_name", None)
+        return self._adapter_name
 
     def manifest(self) -> EngineManifest:
         try:
