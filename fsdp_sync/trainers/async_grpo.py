@@ -95,7 +95,9 @@ class AsyncGRPOSeam(TrainerSeam):
     def __init__(self, trainer_name: str) -> None:
         self.trainer_name = trainer_name
 
-    def constructor_kwargs(self, bound: dict[str, Any], kwargs: dict[str, Any], close: Callable[[], None]) -> dict[str, Any]:
+    def constructor_kwargs(
+        self, bound: dict[str, Any], kwargs: dict[str, Any], close: Callable[[], None]
+    ) -> dict[str, Any]:
         """The constructor gets this package's `weight_transfer`, and its config must name the server for every rank.
 
         Raises:

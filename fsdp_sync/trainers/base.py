@@ -26,7 +26,9 @@ class TrainerSeam:
 
     always_server = False
 
-    def constructor_kwargs(self, bound: dict[str, Any], kwargs: dict[str, Any], close: Callable[[], None]) -> dict[str, Any]:
+    def constructor_kwargs(
+        self, bound: dict[str, Any], kwargs: dict[str, Any], close: Callable[[], None]
+    ) -> dict[str, Any]:
         """The keyword arguments the trainer's constructor gets (`bound`: the call's arguments by name; `close`:
         closes this package's transfer to the server)."""
         return kwargs

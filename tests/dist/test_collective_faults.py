@@ -176,7 +176,8 @@ class Job:
         self.engine = PatchEngine(per_rank, rank)
         config = SyncConfig(sparse=True, check_manifest=False, sync_timeout_s=TIMEOUT_S)
         gatherer = make_gatherer(self.model, detect_backend(self.model), config)
-        self.sync = WeightSync(gatherer, self.engine, config, backend=detect_backend(self.model).value, policy=policy_for)
+        backend_name = detect_backend(self.model).value
+        self.sync = WeightSync(gatherer, self.engine, config, backend=backend_name, policy=policy_for)
         self.step = 0
 
     def train(self) -> None:

@@ -198,7 +198,9 @@ def test_a_server_whose_transport_cannot_carry_an_adapter_falls_back_to_merged_s
         _adapter_sync(_tiny_peft(), writer, SyncConfig(adapter=True), cpu, None)
 
 
-def test_the_base_check_reads_only_each_pieces_rows_compares_exactly_and_closes_its_files(monkeypatch, tmp_path) -> None:
+def test_the_base_check_reads_only_each_pieces_rows_compares_exactly_and_closes_its_files(
+    monkeypatch, tmp_path
+) -> None:
     import safetensors
     from safetensors.torch import save_file
 
@@ -249,7 +251,8 @@ def test_the_base_check_reads_only_each_pieces_rows_compares_exactly_and_closes_
     assert reads == [("w.weight", 3, 6), ("n.weight", 0, 4)] and opened == []
     changed = weight.reshape(-1)[13:22].clone()
     changed[4] += 1e-6 * changed[4]  # one element, by one ulp's order: a digest or torch.equal, not allclose
-    assert base_mismatches(plan, [Piece("w", changed, 13)], str(tmp_path)) == ["w.weight: differs from the trainer's frozen base"]
+    found = base_mismatches(plan, [Piece("w", changed, 13)], str(tmp_path))
+    assert found == ["w.weight: differs from the trainer's frozen base"]
     assert opened == []
 
 

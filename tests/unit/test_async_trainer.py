@@ -471,7 +471,8 @@ def test_a_failed_verify_moves_no_version(monkeypatch, tmp_path: Path) -> None:
         sync.sync()
     assert "commit" in StagingEngine.calls  # the weights were written
     assert client.version == "default", "a failed verify moved the server's weight version"
-    assert failed.value.engine is not None and str(failed.value).endswith(f"This rank's engine {failed.value.engine.describe()}.")
+    engine = failed.value.engine
+    assert engine is not None and str(failed.value).endswith(f"This rank's engine {engine.describe()}.")
     client.checksums = {"dp0:pp0:pcp0:tp0:w.weight": digest}
     sync.sync()
     assert client.version.startswith("fsdp-vllm-sync:") and client.version.endswith(":v7")
@@ -485,7 +486,10 @@ def test_a_resume_that_fails_after_a_failed_write_keeps_the_writes_error(monkeyp
     if backend == "gloo":
         StagingEngine.fail_commit = ServerRequestError("HTTP 500: a staged update did not arrive whole")
     else:
-        client.reset_prefix_cache = lambda: (_ for _ in ()).throw(ServerRequestError("HTTP 500: reset refused"))  # type: ignore[method-assign]
+        def refuse_reset() -> None:
+            raise ServerRequestError("HTTP 500: reset refused")
+
+        client.reset_prefix_cache = refuse_reset  # type: ignore[method-assign]
     with pytest.raises(SyncError) as failed:
         sync.sync()
     text = str(failed.value)

@@ -175,7 +175,8 @@ def _q_proj_trained(**options: bool) -> tuple[dict[str, torch.Tensor], FakeGathe
     gatherer = FakeGatherer(tensors)
     gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
     writer = GroupingWriter(_manifest_for(tensors))
-    return tensors, gatherer, writer, WeightSync(gatherer, writer, SyncConfig(**{"delta": True, **options}), policy=policy_for)
+    sync = WeightSync(gatherer, writer, SyncConfig(**{"delta": True, **options}), policy=policy_for)
+    return tensors, gatherer, writer, sync
 
 
 def test_first_sync_complete_then_only_the_trainable_weights() -> None:

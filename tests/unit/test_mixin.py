@@ -120,7 +120,8 @@ def test_a_rank_that_writes_into_no_engine_says_so_in_its_error_and_its_report(m
 
     monkeypatch.setattr(mixin, "ColocateWriter", lambda llm, **kwargs: NoEngine())
     monkeypatch.setattr(mixin, "build_sync", lambda *args, **kwargs: FailingSync())
-    trainer = type("T", (FSDPVLLMSyncMixin, GenerationTrainer), {})(nn.Linear(2, 2), sync_config=SyncConfig(log_metrics=False))
+    trainer_cls = type("T", (FSDPVLLMSyncMixin, GenerationTrainer), {})
+    trainer = trainer_cls(nn.Linear(2, 2), sync_config=SyncConfig(log_metrics=False))
     trainer.accelerator = SimpleNamespace(device=torch.device("cpu"))
     with pytest.raises(RemoteSyncError) as failed:
         trainer.sync_weights_to_vllm()
