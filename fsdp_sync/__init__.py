@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "ServerConfigError": "server_client",
     "ServerNoAnswerError": "server_client",
     "ServerPushError": "writers.server",
+    "ServerResumeError": "writers.server",
     "ServerTransportError": "writers.server",
     "ServerUnavailableError": "server_client",
     "ServerWriter": "writers",
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     from .report import SyncReport
     from .server_client import ServerConfigError, ServerNoAnswerError, ServerUnavailableError
     from .writers import ColocateWriter, EnginePushError, EngineWriter, ServerWriter
-    from .writers.server import ServerPushError, ServerTransportError
+    from .writers.server import ServerPushError, ServerResumeError, ServerTransportError
 
 
 def __getattr__(name: str) -> Any:

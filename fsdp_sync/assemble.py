@@ -21,12 +21,15 @@ from .errors import UnsupportedSetupError
 from .gather import Gatherer, make_gatherer
 from .peft_merge import PeftMerge
 from .memory import MemoryMeter
-from .sync.adapter import FALLBACK, AdapterSync, adapter_refusal
+from .sync.adapter import FALLBACK, VERIFY_REFUSAL, AdapterSync, adapter_refusal
+from .sync.delta import DeltaPolicy
 from .sync.pipeline import WeightSync
+from .sync.select import Everything, SelectionPolicy
+from .sync.sparse import SparsePolicy
 from .sync.stream import WeightStream
-from .writers.base import EngineWriter
+from .writers.base import EngineWriter, PatchWriter
 
-__all__ = ["build_stream", "build_sync"]
+__all__ = ["build_stream", "build_sync", "policy_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +117,7 @@ def build_sync(
         backend=parts.backend.value,
         device=device,
         uncast=wider,
+        policy=policy_for,
     )
 
 
@@ -127,7 +131,14 @@ def _adapter_sync(
     if not rules.peft and config.adapter is None:
         return None
     gatherer = make_gatherer(model, backend, config, engine_dtype=None, compute_device=None)
-    refusal = adapter_refusal(inner, gatherer, rules, writer)
+    # NOTE: every option applies to the sync kind chosen, or that kind is not chosen (adapter=True refuses it in
+    # `SyncConfig`): none is skipped silently.
+    if config.verify:
+        refusal: str | None = VERIFY_REFUSAL
+    elif config.sparse:
+        refusal = "sparse=True sends the changed elements of merged weights"
+    else:
+        refusal = adapter_refusal(inner, gatherer, rules, writer)
     if refusal is None:
         logger.info("weight sync: adapter syncs (only lora_A/lora_B go, into the engine's LoRA manager)")
         return AdapterSync(inner, gatherer, writer, config, rules=rules, backend=backend.value)
@@ -150,3 +161,43 @@ def build_stream(
         dtype=dtype,
         meter=MemoryMeter(device),
     )
+
+
+def policy_for(sync: WeightSync) -> SelectionPolicy:
+    """The selection policy of `sync.config`'s mode, decided once (`WeightSync(policy=...)`); a new mode is one
+    case here."""
+    config, push, writer, uncast = sync.config, sync.push, sync.writer, sync.uncast
+
+    def delta() -> DeltaPolicy:
+        return DeltaPolicy(
+            sync.gatherer,
+            sync.coordinator,
+            check=config.delta_check,
+            merge_names=sync.merge.names if sync.merge is not None else frozenset(),
+            versions=push.versions,
+            unchanged=push.unchanged,
+            device=sync.meter.device,
+            engine_dtype=writer.engine_dtype,
+        )
+
+    match config.delta, config.sparse:
+        case False, _:
+            return Everything()
+        case True, False:
+            return delta()
+        case True, True:
+            return SparsePolicy(
+                delta(),
+                sync.gatherer,
+                sync.coordinator,
+                writer=writer if isinstance(writer, PatchWriter) else None,
+                engine_dtype=writer.engine_dtype,
+                engine_per_rank=writer.engine_per_rank,
+                max_density=config.sparse_max_density,
+                gather_patched=config.verify,
+                peft=sync.merge is not None,
+                uncast=uncast,
+                unchanged=push.unchanged,
+            )
+        case other:
+            raise ValueError(f"no selection policy for delta={other[0]!r}, sparse={other[1]!r}")

@@ -27,6 +27,10 @@ __all__ = [
     "VerifyError",
 ]
 
+# What a rank that writes into no engine says where others say what their engine holds.
+NO_ENGINE = "This rank writes into no engine; the rank that writes says what the engine holds"
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """What failed on one rank: the stage and the error, as text (it travels between ranks).
@@ -38,7 +42,7 @@ class RankFailure:
             (inside a control collective of the sync's own groups: an agreement or a status round), `patch` (the
             sparse round: diff, counts, patches, and their collectives), `gather` (this rank's part of the all-gathers), `map`, `merge`, `cast` (turning a
             gathered tensor into the engine's), `push` (the engine or the transport), `verify` (the optional
-            read-back of the engine's digests); an adapter sync's: `adapter.plan` (its plan and base check),
+            read-back of the engine's digests), `publish` (stamping the engine's weight version, last); an adapter sync's: `adapter.plan` (its plan and base check),
             `adapter.pieces` (this rank's adapter pieces and their exchange), `push`. docs/failures.md lists the
             fault points of each.
     """
@@ -86,7 +90,7 @@ class EngineState:
             case "current":
                 text = "holds every weight of this sync"
             case "unchanged":
-                text = "holds exactly the previous sync's weights (nothing of this sync reached it)"
+                text = "holds exactly the weights it held before this sync (nothing of this sync reached it)"
             case "mixed":
                 text = "holds a mix of previous and new weights, none undefined"
             case "replaced":
@@ -117,11 +121,17 @@ class SyncError(RuntimeError):
         # Whether the message ends by saying what `engine` holds (`agreed_error`): said from `engine` when read, so
         # that it agrees with the failed `SyncReport` even where a caller filled `engine` in after the raise.
         self.says_engine = False
+        # This rank writes into no engine (server mode: only the main process sends); set by the caller that knows.
+        self.writes_no_engine = False
 
     def __str__(self) -> str:
         text = super().__str__()
-        if getattr(self, "says_engine", False) and getattr(self, "engine", None) is not None:
+        if not getattr(self, "says_engine", False):
+            return text
+        if getattr(self, "engine", None) is not None:
             text += f" This rank's engine {self.engine.describe()}."
+        elif getattr(self, "writes_no_engine", False):
+            text += f" {NO_ENGINE}."
         return text
 
 

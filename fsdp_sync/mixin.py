@@ -9,7 +9,6 @@ Everything else about the trainer is unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,6 @@ from fsdp_sync.compat.trl_api import (
     TRLSyncTarget,
     defer_trl_weight_communicator,
     find_sync_target,
-    is_async_trainer,
     log_sync_metrics,
     mark_weights_awake,
     server_address,
@@ -40,14 +38,16 @@ from .distributed import Coordinator
 from .errors import EngineState, SyncError, UnsupportedSetupError, agreed_error
 from .faults import fault_point
 from .assemble import build_sync
-from .sync.adapter import AdapterSync
-from .sync.pipeline import WeightSync
+from .sync.contract import Sync
 from .sync.stream import SyncPlan
 from .report import SyncReport
+from .trainers import seam_for
 from .writers import ColocateWriter, EngineWriter
 
 if TYPE_CHECKING:
     from fsdp_sync.compat.server_api import ServerInfo
+
+    from .writers.server import ServerWriter
 
 __all__ = ["FSDPVLLMSyncMixin"]
 
@@ -74,12 +74,14 @@ class FSDPVLLMSyncMixin:
         except TypeError:  # let the trainer's own constructor report bad arguments
             bound = {}
         trainer_args = bound.get("args")
-        is_async = is_async_trainer(type(self))
-        if is_async:
-            kwargs = self._fvs_async_kwargs(bound, kwargs)
-            config = _merged_for_async(config)
+        # The one decision on the trainer family (TRL's async trainer has a seam of its own; the others change
+        # nothing): its constructor arguments, its options, its writer's, its sync entry point.
+        self._fvs_seam = seam_for(type(self))
+        self._fvs_server_writer: ServerWriter | None = None
+        kwargs = self._fvs_seam.constructor_kwargs(bound, kwargs, self._fvs_close_transfer)
+        config = self._fvs_seam.sync_config(config)
         self._fvs_server_address: ServerAddress | None = server_address(
-            trainer_args, always_server=is_async, group_port=config.group_port
+            trainer_args, always_server=self._fvs_seam.always_server, group_port=config.group_port
         )
         self._fvs_server_info: ServerInfo | None = None
         if self._fvs_server_address is not None:
@@ -106,7 +108,7 @@ class FSDPVLLMSyncMixin:
                 init(*args, **kwargs)
         self.sync_config = config
         self.sync_reports: list[SyncReport] = []
-        self._fvs_sync: WeightSync | AdapterSync | None = None
+        self._fvs_sync: Sync | None = None
         self._fvs_model: torch.nn.Module | None = None
         self._fvs_backend: Backend | None = None
         self._fvs_stale = False
@@ -141,22 +143,10 @@ class FSDPVLLMSyncMixin:
         if problem is not None:
             raise UnsupportedSetupError(f"Colocated training with fsdp-vllm-sync: {problem}.")
 
-    def _fvs_async_kwargs(self, bound: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """TRL's async trainer: its constructor gets this package's `weight_transfer` (see
-        `fsdp_sync.trainers.async_grpo`), and its config must name the server for every rank."""
-        from .trainers.async_grpo import MixinWeightTransfer
-
-        if bound.get("weight_transfer") is not None:
-            raise UnsupportedSetupError(
-                f"{type(self).__name__} was given weight_transfer={bound['weight_transfer']!r}, but "
-                "FSDPVLLMSyncMixin owns the weight sync: drop the weight_transfer argument, or the mixin."
-            )
-        if bound.get("args") is None:
-            raise UnsupportedSetupError(
-                f"{type(self).__name__} with FSDPVLLMSyncMixin needs args=AsyncGRPOConfig(vllm_server_base_url=...), "
-                "so that every rank knows the vLLM server before the trainer is built."
-            )
-        return {**kwargs, "weight_transfer": MixinWeightTransfer(self)}
+    def _fvs_close_transfer(self) -> None:
+        """Close this package's transfer to the server, if one was set up (the end of training)."""
+        if self._fvs_server_writer is not None:
+            self._fvs_server_writer.close()
 
     # Older TRL and the experimental OnlineDPOTrainer call this method; the mixin comes first in the MRO.
     def _move_model_to_vllm(self, *args: Any, **kwargs: Any) -> None:
@@ -168,22 +158,25 @@ class FSDPVLLMSyncMixin:
         if target is None or target.entry != ASYNC_SYNC_WEIGHT:
             super()._sync_weight(*args, **kwargs)  # type: ignore[misc]
             return
-        from .trainers.async_grpo import run_async_sync
+        self._fvs_seam.sync(self, self.sync_weights_to_vllm, self._fvs_last_pause)
 
-        run_async_sync(self)
+    def _fvs_last_pause(self) -> tuple[float, float] | None:
+        """The last push's pause of the server (`ServerWriter.last_pause`; read after the sync, whose first call
+        builds the writer)."""
+        writer = self._fvs_server_writer
+        return writer.last_pause if writer is not None else None
 
     @property
     def adapter_request(self) -> object | None:
         """The `LoRARequest` of the adapter the last adapter sync loaded (None with merged syncs, before the first
         sync, and on ranks without an engine): what generation must pass to be served the trained adapter."""
-        return self._fvs_sync.adapter_request() if isinstance(self._fvs_sync, AdapterSync) else None
+        return self._fvs_sync.adapter_request() if self._fvs_sync is not None else None
 
     @property
     def sync_plan(self) -> SyncPlan | None:
         """What each sync sends (trainer name -> checkpoint name, dropped names); None before the first sync, or
         when its plan failed the check (the error says why)."""
-        sync = self._fvs_sync
-        return sync.checked_plan if isinstance(sync, WeightSync) else None
+        return self._fvs_sync.sync_plan if self._fvs_sync is not None else None
 
     @property
     def sync_backend(self) -> Backend | None:
@@ -209,19 +202,19 @@ class FSDPVLLMSyncMixin:
                     )
                 config = self.sync_config
                 main = self.accelerator.is_main_process  # type: ignore[attr-defined]
-                is_async = target.entry == ASYNC_SYNC_WEIGHT
-                return ServerWriter(
+                options = self._fvs_seam.writer_options(self)
+                writer = ServerWriter(
                     ServerClient(address.base_url, timeout=config.server_timeout_s) if main else None,
                     info,
                     group_port=address.group_port,
                     checkpoint_dir=checkpoint,
                     buffer_bytes=config.server_buffer_bytes,
                     timeout_s=config.server_timeout_s,
-                    # NOTE: the async trainer's rollouts keep generating during training: the server is paused for
-                    # the write alone, and its weight version names the policy version the rollouts will carry.
-                    pause_for_write=is_async,
-                    version_label=(lambda: f"v{self.model_version + 1}") if is_async else None,  # type: ignore[attr-defined]
+                    pause_for_write=options.pause_for_write,
+                    version_label=options.version_label,
                 )
+                self._fvs_server_writer = writer
+                return writer
             case other:
                 raise ValueError(f"vLLM mode {other!r} is not supported; valid: 'colocate', 'server'")
 
@@ -237,7 +230,7 @@ class FSDPVLLMSyncMixin:
         coordinator = Coordinator(self.sync_config.sync_timeout_s)
         error: Exception | None = None
         backend: Backend | None = None
-        sync: WeightSync | AdapterSync | None = None
+        sync: Sync | None = None
         try:
             fault_point("build")
             backend = detect_backend(model)
@@ -250,12 +243,12 @@ class FSDPVLLMSyncMixin:
         if failures:
             raise agreed_error(error, failures, EngineState("unchanged") if self._fvs_target is not None else None)
         self._fvs_sync, self._fvs_model, self._fvs_backend = sync, model, backend
-        if isinstance(sync, AdapterSync):
+        if sync is not None and sync.serves_adapter:
             self._fvs_generate_with_adapter(sync)
 
     # --- adapter syncs (SyncConfig.adapter): generation asks for the adapter the last sync loaded ---
 
-    def _fvs_generate_with_adapter(self, sync: AdapterSync) -> None:
+    def _fvs_generate_with_adapter(self, sync: Sync) -> None:
         """Make the trainer's colocated generation pass the current adapter's `LoRARequest` (TRL's generate calls
         pass none; see compat.trl_adapter). Server mode asks by the adapter's name (the writer's)."""
         target = self._fvs_target
@@ -306,13 +299,21 @@ class FSDPVLLMSyncMixin:
             # NOTE: every rank gets here together (the error was agreed), so every rank marks its engine stale, even
             # one whose own push completed: the engines no longer hold the same weights.
             self._fvs_stale = True
-            engine = e.engine.status if e.engine is not None else "unknown"
+            if e.engine is not None:
+                engine = e.engine.status
+            elif sync is not None and not sync.writer.pushes:
+                # NOTE: server mode: only the main process writes; this rank's error says so where the others say
+                # what their engine holds (the main process's report has the server's state).
+                e.writes_no_engine = True
+                engine = "none"
+            else:
+                engine = "unknown"
             failed = SyncReport.failed(
                 e,
                 engine,
                 backend=sync.backend if sync is not None else "",
-                strategy=sync.gatherer.strategy if sync is not None else "",
-                writer=sync.writer.kind if sync is not None else "",
+                strategy=sync.strategy if sync is not None else "",
+                writer=sync.writer_kind if sync is not None else "",
             )
             self.sync_reports.append(failed)
             logger.error("%s", failed.summary())
@@ -343,28 +344,6 @@ class FSDPVLLMSyncMixin:
             return generate(*args, **kwargs)
 
         owner.generate = generate_from_current_weights
-
-
-def _merged_for_async(config: SyncConfig) -> SyncConfig:
-    """TRL's async trainer syncs a LoRA model merged (`SyncConfig(adapter=False)`).
-
-    Why: its rollout worker, a process of its own, names the model of every request itself (the base model, or
-    `<its adapter name>-v<model_version>` only when TRL chose its own adapter-files sync), and keeps requests of older
-    versions in flight while a new one is loaded; a pushed adapter would be loaded beside requests that go on asking
-    for the base, or unloaded under requests still running on it. Merged weights reach every request.
-
-    Raises:
-        UnsupportedSetupError: `SyncConfig(adapter=True)` (says why, and the fallback).
-    """
-    if config.adapter:
-        raise UnsupportedSetupError(
-            "SyncConfig(adapter=True) with TRL's AsyncGRPOTrainer: its rollout worker names the model of every request "
-            "itself and keeps older versions in flight, so a pushed adapter would not be what it generates from. "
-            "Use SyncConfig(adapter=False) (merged syncs; the default for this trainer)."
-        )
-    if config.adapter is None:
-        logger.info("fsdp-vllm-sync: TRL's AsyncGRPOTrainer syncs LoRA models merged (SyncConfig(adapter=False))")
-    return dataclasses.replace(config, adapter=False)
 
 
 def _engine_for_adapters(config: SyncConfig, peft_config: Any) -> Any:

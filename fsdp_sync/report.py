@@ -144,7 +144,8 @@ class SyncReport:
         backend, strategy, writer: what ran.
         ok: False for a sync that failed (its figures are zero; `error` says why, `engine` what the engine holds).
         engine: this rank's engine after the sync: `"current"`, or after a failure `"unchanged"`, `"mixed"`,
-            `"undefined"`, `"replaced"`, `"unknown"` (see `fsdp_sync.errors.EngineState`).
+            `"undefined"`, `"replaced"`, `"unknown"` (see `fsdp_sync.errors.EngineState`); `"none"` on a rank that
+            writes into no engine (server mode: the main process sends, and its report says what the server holds).
         error: the error every rank raised, for a failed sync.
         verified: with `SyncConfig(verify=True)`: engine weights whose digest matched what was sent.
         unverifiable: with `verify`: engine weights that could not be compared (named in the logs).

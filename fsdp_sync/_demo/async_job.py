@@ -50,7 +50,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="make this sync (1-based) fail on the last rank (its gather raises), then sync again by hand",
     )
+    p.add_argument(
+        "--late-fault-at",
+        type=int,
+        default=None,
+        help="make this sync (1-based) fail on the last rank inside the push's outcome agreement (after the server's "
+        "weights were written), then sync again by hand",
+    )
     return p.parse_args(argv)
+
+
+def _worker_version(trainer: Any) -> int | None:
+    """The policy version the rollout worker was told (main process, once TRL started it), else None."""
+    worker = getattr(trainer, "rollout_worker", None)
+    return int(worker.model_version) if worker is not None else None
 
 
 def _setup_env() -> None:
@@ -111,17 +124,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         """A user's subclass: checks the server after each sync (what a callback of theirs could do)."""
 
         def _sync_weight(self) -> None:
+            import requests
+
             sync_index["n"] += 1
+            faulted = {args.fault_at: "gather.prepare", args.late_fault_at: "agree.outcome"}.get(sync_index["n"])
+            # Read from outside the library: the server's weight version and the rollout worker's (main process).
+            version_before = requests.get(f"{args.server_url}/weight_info", timeout=30).json()["weight_version"]
+            worker_before = _worker_version(self)
             started = time.perf_counter()
             try:
-                if args.fault_at == sync_index["n"] and rank == world - 1:
-                    with injecting(Injector(lambda point, context: point == "gather.prepare")):
+                if faulted is not None and rank == world - 1:
+                    with injecting(Injector(lambda point, context: point == faulted)):
                         super()._sync_weight()
                 else:
                     super()._sync_weight()
             except Exception as e:  # noqa: BLE001 - recorded, then synced again below
-                import requests
-
                 from fsdp_sync.errors import SyncError
 
                 paused = requests.get(f"{args.server_url}/is_paused", timeout=30).json()["is_paused"]
@@ -129,9 +146,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     {"sync": sync_index["n"], "type": type(e).__name__, "message": str(e)[:2000],
                      "is_sync_error": isinstance(e, SyncError), "seconds": time.perf_counter() - started,
                      "model_version": self.model_version, "engine_is_current": self.engine_is_current,
-                     "server_paused_after": paused}  # fmt: skip
+                     "server_paused_after": paused, "server_weight_version_before": version_before,
+                     "server_weight_version_after": requests.get(f"{args.server_url}/weight_info",
+                                                                 timeout=30).json()["weight_version"],
+                     "rollout_worker_version_before": worker_before,
+                     "rollout_worker_version_after": _worker_version(self)}  # fmt: skip
                 )
-                if args.fault_at != sync_index["n"]:
+                if faulted is None:
                     raise
                 super()._sync_weight()  # the retry: must be complete and exact
             record["sync_seconds"].append(time.perf_counter() - started)

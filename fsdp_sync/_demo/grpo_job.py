@@ -974,6 +974,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     actions = ServerActions(args.server_action, args.out_dir, result["rank"])
     result["failed_syncs"] = []
     result["injections"] = []
+    # Server mode with faults: the server's weight version (`/weight_info`) around every sync, read from outside the
+    # library, so that a test can check it moves only after a sync that succeeded on every rank.
+    versions_client: Any = None
+    if server and args.inject and result["rank"] == 0:
+        from fsdp_sync.server_client import ServerClient
+
+        versions_client = ServerClient(args.server_url, timeout=60)
+    result["server_versions"] = []
 
     def checked_sync() -> None:
         from fsdp_sync.errors import SyncError
@@ -987,10 +995,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         actions.run(index, "before")
         if index in args.resync_at and result["rank"] == 0:
             trainer.resync()
+        version_before = versions_client.weight_version() if versions_client is not None else None
         syncs_started.append(time.perf_counter())
         counted = (counter.unshards, counter.gathered) if counter is not None else None
+        ok = False
         try:
             inner_sync()
+            ok = True
         except SyncError as e:
             if not faulting:
                 raise
@@ -1015,6 +1026,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sync_seconds.append(record["seconds"])
             return  # training goes on: the mixin syncs again before the next generation
         finally:
+            if versions_client is not None:
+                after = versions_client.weight_version()
+                result["server_versions"].append({"sync": index, "ok": ok, "before": version_before, "after": after})
             if armed is not None:
                 own = [point for point, _ in injections.injector.fired[fired:]]
                 result["injections"].append({"sync": index, **armed, "fired_here": own})

@@ -11,8 +11,9 @@ contract: `sync()` on every rank, one `SyncReport`, a failure on any rank raised
 Steps:
 1. plan, once: the adapter's weights by trainer name, their PEFT checkpoint names, its config; what the engine
    cannot serve is refused before anything is written (`adapter_refusal`).
-2. the base, once: every rank compares its own shards of the frozen base with the engine's checkpoint (sha256 of
-   the same elements on both sides, no gather); a different base is an error before anything is written.
+2. the base, once: every rank compares its own shards of the frozen base with the same elements of the engine's
+   checkpoint (`torch.equal`; only the rows holding them are read; no gather); a different base is an error before
+   anything is written.
 3. every sync: this rank's pieces of the adapter (`Gatherer.local_pieces`), exchanged (`gather_pieces`), built into
    an adapter that every rank agrees on, then loaded into the engine under a new id (`AdapterWriter.load_adapter`);
    the previous version is unloaded.
@@ -20,7 +21,7 @@ Steps:
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import logging
 import math
 import time
@@ -37,16 +38,22 @@ from fsdp_sync.compat.names import Dropped, NameRules, canonical_name, unwrapped
 
 from ..config import SyncConfig
 from ..distributed import Coordinator, agreed, collective
-from ..errors import EngineState, RankFailure, SyncError, UnsupportedSetupError, agreed_error
+from ..errors import EngineState, NonFiniteWeightsError, RankFailure, SyncError, UnsupportedSetupError, agreed_error
 from ..gather.base import Gatherer, Piece
 from ..report import AdapterFigures, SyncReport
-from ..writers.base import AdapterWriter, EngineWriter
+from ..writers.base import AdapterWriter, BoundedWriter, EngineWriter
+from .contract import writer_budget
 
 __all__ = ["AdapterPlan", "AdapterSync", "adapter_plan", "adapter_refusal", "gather_pieces"]
 
 logger = logging.getLogger(__name__)
 
 FALLBACK = "use merged syncs instead: SyncConfig(adapter=False), which merge the adapter into the base and push both"
+# Why `SyncConfig(verify=True)` does not apply to adapter syncs (refused with adapter=True; merged syncs otherwise).
+VERIFY_REFUSAL = (
+    "verify=True compares the engine's own weight digests with what was sent, and the engine gives no digests of "
+    "the adapters in its LoRA manager"
+)
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,9 @@ def adapter_refusal(
         return "the model has no PEFT adapter"
     if not isinstance(writer, AdapterWriter):
         return f"the {writer.kind} writer does not load adapters"
+    transport = writer.adapter_transport_refusal()
+    if transport is not None:
+        return transport
     # NOTE: on every rank (a server's configuration is known to all), so that every rank decides alike.
     limits = writer.lora_limits()
     if limits is None:
@@ -215,27 +225,60 @@ def _exchange(
 
 
 def base_mismatches(plan: AdapterPlan, pieces: Iterable[Piece], checkpoint_dir: str) -> list[str]:
-    """This rank's frozen-base pieces against the same elements of the engine's checkpoint, by sha256 (local work:
-    each rank reads only the tensors it holds part of, and only its elements are compared)."""
-    files = _checkpoint_files(checkpoint_dir)
-    problems: list[str] = []
+    """This rank's frozen-base pieces against the same elements of the engine's checkpoint, compared with
+    `torch.equal` (local work: each rank reads from the files only the rows that hold its own elements, of the
+    tensors it holds part of; the files are closed on return)."""
     from safetensors import safe_open
 
-    handles: dict[Path, Any] = {}
-    for piece in pieces:
-        n = piece.values.numel()
-        if not n:
-            continue
-        target = plan.base[piece.name]
-        path = files.get(target)
-        if path is None:
-            problems.append(f"{target}: not in the engine's checkpoint")
-            continue
-        handle = handles.get(path) or handles.setdefault(path, safe_open(str(path), framework="pt"))
-        stored = handle.get_tensor(target).reshape(-1)[piece.start : piece.start + n].to(piece.values.dtype)
-        if _digest(stored) != _digest(piece.values):
-            problems.append(f"{target}: differs from the trainer's frozen base")
+    files = _checkpoint_files(checkpoint_dir)
+    problems: list[str] = []
+    with contextlib.ExitStack() as opened:
+        handles: dict[Path, Any] = {}
+        for piece in pieces:
+            n = piece.values.numel()
+            if not n:
+                continue
+            target = plan.base[piece.name]
+            path = files.get(target)
+            if path is None:
+                problems.append(f"{target}: not in the engine's checkpoint")
+                continue
+            handle = handles.get(path)
+            if handle is None:
+                handle = handles[path] = opened.enter_context(safe_open(str(path), framework="pt"))
+            stored = _stored_elements(handle, target, piece.start, n).to(piece.values.dtype)
+            if not torch.equal(stored, piece.values.detach().reshape(-1).to(stored.device)):
+                problems.append(f"{target}: differs from the trainer's frozen base")
     return problems
+
+
+def _stored_elements(handle: Any, name: str, start: int, count: int) -> torch.Tensor:
+    """Elements `[start, start + count)` of tensor `name` flattened, reading only the rows (first-dimension slices)
+    that hold them."""
+    view = handle.get_slice(name)
+    shape = view.get_shape()
+    if not shape:  # a scalar
+        return handle.get_tensor(name).reshape(-1)[start : start + count]
+    row = math.prod(shape[1:])
+    first, last = start // row, (start + count - 1) // row + 1
+    rows = view[first:last].reshape(-1)
+    offset = start - first * row
+    return rows[offset : offset + count]
+
+
+def _check_finite(pieces: Iterable[Piece]) -> None:
+    """`SyncConfig(check_finite=True)`: this rank's pieces of the adapter hold no NaN or Inf (local work, before
+    they are exchanged).
+
+    Raises:
+        NonFiniteWeightsError: naming every adapter weight that holds one; nothing was sent.
+    """
+    bad = sorted({p.name for p in pieces if p.values.numel() and not bool(torch.isfinite(p.values).all())})
+    if bad:
+        raise NonFiniteWeightsError(
+            f"NaN or Inf in {len(bad)} adapter weight(s) on this rank: {_few(bad, 8)}; nothing was sent (the engine "
+            "keeps the previous adapter). Training has diverged: look at the loss and the learning rate."
+        )
 
 
 def _checkpoint_files(checkpoint_dir: str) -> dict[str, Path]:
@@ -248,10 +291,6 @@ def _checkpoint_files(checkpoint_dir: str) -> dict[str, Path]:
     if not files:
         raise FileNotFoundError(f"no safetensors files in the engine's checkpoint {checkpoint_dir}")
     return files
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data).hexdigest()
 
 
 class AdapterSync:
@@ -289,6 +328,19 @@ class AdapterSync:
         self.version = 0
         self._plan: AdapterPlan | None = None
         self._base_seconds = 0.0
+        # Decided once: whether this rank's writer has waits outside this process to bound by the sync's deadline.
+        self._bounded = writer if writer.pushes and isinstance(writer, BoundedWriter) else None
+
+    # --- the `contract.Sync` the mixin drives ---
+
+    strategy = "adapter-pieces"
+    serves_adapter = True
+    sync_plan = None  # an adapter sync's plan is its `AdapterPlan` (`checked_plan`)
+
+    @property
+    def writer_kind(self) -> str:
+        """Where the adapter goes: a colocated engine's LoRA manager, or the server's over its transfer."""
+        return "colocate:lora_manager" if self.writer.engine_per_rank else self.writer.kind
 
     @property
     def checked_plan(self) -> AdapterPlan | None:
@@ -353,6 +405,8 @@ class AdapterSync:
                 came before the load).
         """
         self.coordinator.reopen()
+        if self._bounded is not None:
+            self._bounded.bound(time.monotonic() + writer_budget(self.config.sync_timeout_s))
         first = self._plan is None
         plan = self.plan()
         start = time.perf_counter()
@@ -360,6 +414,8 @@ class AdapterSync:
         pieces = agreed(
             self.coordinator, "adapter.pieces", lambda: list(self.gatherer.local_pieces(plan.names)), self._failed
         )
+        if self.config.check_finite:
+            agreed(self.coordinator, "check", lambda: _check_finite(pieces), self._failed)
         numels = [math.prod(specs[n].shape) for n in plan.names]
         dtypes = [specs[n].dtype for n in plan.names]
         version = self.version + 1
@@ -401,8 +457,8 @@ class AdapterSync:
             peak_extra_bytes=sum(math.prod(specs[n].shape) * specs[n].dtype.itemsize for n in plan.names),
             memory_source="accounted",
             backend=self.backend,
-            strategy="adapter-pieces",
-            writer=self.writer.kind,
+            strategy=self.strategy,
+            writer=self.writer_kind,
             figures=(
                 AdapterFigures(
                     adapter_id=version,

@@ -1,4 +1,4 @@
-"""One sync, in the order every mode shares: plan -> check -> select -> push -> verify -> settle -> report.
+"""One sync, in the order every mode shares: plan -> check -> select -> push -> verify -> publish -> settle -> report.
 
 Where each step lives (`fsdp_sync/sync/`): the plan and the checks before any gather (`plan.py`), what this sync
 sends (a selection policy chosen once, `select.py`: everything, `delta.py`, `sparse.py`), the data path (`stream.py`),
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -27,22 +28,25 @@ from ..gather.base import Gatherer
 from ..memory import MemoryMeter
 from ..peft_merge import PeftMerge
 from ..report import SyncReport
-from ..writers.base import BoundedWriter, EngineWriter, PatchWriter
-from .delta import DeltaPolicy
+from ..writers.base import BoundedWriter, EngineWriter
+from .contract import writer_budget
 from .plan import check_finite, make_plan
 from .push import Push
 from .select import Everything, SelectionPolicy
-from .sparse import SparsePolicy
 from .stream import SyncPlan, WeightStream
 from .verify import EngineDigests, VerifyResult, verify_push
 
-__all__ = ["WeightSync", "policy_for"]
+__all__ = ["PolicyFactory", "WeightSync"]
 
 logger = logging.getLogger(__name__)
 
 # What `WeightSync` does when given no config: every sync complete (the mixin passes the user's `SyncConfig`,
 # whose default is delta syncs).
 _COMPLETE = SyncConfig(delta=False)
+
+# Builds the selection policy of a sync's mode from the sync (its gatherer, coordinator, push, meter); the modes are
+# known where the sync is assembled (`fsdp_sync.assemble.policy_for`), never here.
+PolicyFactory = Callable[["WeightSync"], SelectionPolicy]
 
 
 class WeightSync:
@@ -59,6 +63,11 @@ class WeightSync:
         device: device of the full tensors, for memory measurement.
         uncast: checkpoint names sent in the trainer's dtype (the engine keeps them wider than its own dtype:
             `EngineManifest.wider`); never patched (a patch carries engine-dtype values).
+        policy: builds what each sync sends (`config`'s mode); None: every sync complete, which a config that
+            asks for delta syncs refuses.
+
+    Raises:
+        ValueError: `config.delta` without a `policy` (the option would be silently skipped).
     """
 
     def __init__(
@@ -73,8 +82,15 @@ class WeightSync:
         backend: str = "",
         device: torch.device | str = "cpu",
         uncast: frozenset[str] = frozenset(),
+        policy: PolicyFactory | None = None,
     ) -> None:
         self.config = config or _COMPLETE
+        if policy is None and self.config.delta:
+            raise ValueError(
+                "WeightSync was given SyncConfig(delta=True) without a selection policy; build the sync with "
+                "fsdp_sync.assemble.build_sync (or pass policy=fsdp_sync.assemble.policy_for)"
+            )
+        self.uncast = uncast
         self.gatherer = gatherer
         self.writer = writer
         self.backend = backend
@@ -86,13 +102,32 @@ class WeightSync:
         self.push = Push(writer, self.stream, gatherer, self.coordinator)
         # Decided once: whether the writer has waits outside this process to bound by the sync's deadline (a server).
         self._bounded = writer if self.push.own_engine and isinstance(writer, BoundedWriter) else None
-        self.policy = policy_for(self, uncast)
+        self.policy: SelectionPolicy = policy(self) if policy is not None else Everything()
         self._plan: SyncPlan | None = None
         self._digests: EngineDigests | None = None
 
     @property
     def merge(self) -> PeftMerge | None:
         return self.stream.merge
+
+    # --- the `contract.Sync` the mixin drives ---
+
+    serves_adapter = False
+
+    @property
+    def strategy(self) -> str:
+        return self.gatherer.strategy
+
+    @property
+    def writer_kind(self) -> str:
+        return self.writer.kind
+
+    @property
+    def sync_plan(self) -> SyncPlan | None:
+        return self._plan
+
+    def adapter_request(self) -> object | None:
+        return None  # merged weights: generation names no adapter
 
     @property
     def checked_plan(self) -> SyncPlan | None:
@@ -138,7 +173,7 @@ class WeightSync:
         config = self.config
         self.coordinator.reopen()
         if self._bounded is not None:
-            self._bounded.bound(time.monotonic() + _writer_budget(config.sync_timeout_s))
+            self._bounded.bound(time.monotonic() + writer_budget(config.sync_timeout_s))
         self.meter.start()
         try:
             plan = self.plan()
@@ -163,6 +198,8 @@ class WeightSync:
                 verify_seconds = time.perf_counter() - started + (digests.seconds if digests is not None else 0.0)
                 if verified.unverifiable:
                     logger.warning("weight sync: %s", verified.describe_unverifiable())
+            # Last: the engine's weight version moves only once every rank has agreed (and verified).
+            self.push.publish(pushed)
         except SyncError:
             self.resync()  # the engine may hold anything the failure left: the next sync is complete
             raise
@@ -181,48 +218,3 @@ class WeightSync:
             verify_seconds=verify_seconds,
             figures=self.policy.report(payload, settled),
         )
-
-
-def policy_for(sync: WeightSync, uncast: frozenset[str]) -> SelectionPolicy:
-    """The selection policy of `sync.config`'s mode, decided once; a new mode is one case here."""
-    config, push, writer = sync.config, sync.push, sync.writer
-
-    def delta() -> DeltaPolicy:
-        return DeltaPolicy(
-            sync.gatherer,
-            sync.coordinator,
-            check=config.delta_check,
-            merge_names=sync.merge.names if sync.merge is not None else frozenset(),
-            versions=push.versions,
-            unchanged=push.unchanged,
-            device=sync.meter.device,
-            engine_dtype=writer.engine_dtype,
-        )
-
-    match config.delta, config.sparse:
-        case False, _:
-            return Everything()
-        case True, False:
-            return delta()
-        case True, True:
-            return SparsePolicy(
-                delta(),
-                sync.gatherer,
-                sync.coordinator,
-                writer=writer if isinstance(writer, PatchWriter) else None,
-                engine_dtype=writer.engine_dtype,
-                engine_per_rank=writer.engine_per_rank,
-                max_density=config.sparse_max_density,
-                gather_patched=config.verify,
-                peft=sync.merge is not None,
-                uncast=uncast,
-                unchanged=push.unchanged,
-            )
-        case other:
-            raise ValueError(f"no selection policy for delta={other[0]!r}, sparse={other[1]!r}")
-
-
-def _writer_budget(sync_timeout_s: float) -> float:
-    """How long a writer's own waits may take in one sync: the sync's bound, less a margin in which the ranks still
-    agree before any of them gives up on the others (they wait `sync_timeout_s` at each status round)."""
-    return sync_timeout_s - min(2.0, 0.1 * sync_timeout_s)

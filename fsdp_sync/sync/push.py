@@ -81,7 +81,8 @@ class _Writing:
         return EngineState("current")
 
     def finish(self, rounds: Rounds, payload: Payload, engine: EngineState | None) -> EngineState | None:
-        """The patches (a sparse sync), then the end of the push and its weight version."""
+        """The patches (a sparse sync), then the end of the push (its weight version is stamped by `publish`, once
+        every rank agreed)."""
         if payload.patches and rounds.error is None and not rounds.stopped:
             try:
                 fault_point("write.patches")
@@ -94,8 +95,6 @@ class _Writing:
             try:
                 fault_point("write.finish")
                 self.writer.finish()
-                if self.versions is not None:
-                    self.versions.stamp(self.stamps.next())
             except Exception as e:
                 # NOTE: a writer whose finish writes (a staged server push, written under its pause) says what the
                 # engine holds after it failed; the write's own account ("current") no longer stands.
@@ -103,6 +102,11 @@ class _Writing:
                     engine = e.engine
                 rounds.fail("push", e)
         return engine
+
+    def publish(self) -> None:
+        """Stamp the engine's weight version (where it keeps one): the push is now the one it holds."""
+        if self.versions is not None:
+            self.versions.stamp(self.stamps.next())
 
 
 class _Draining:
@@ -127,6 +131,9 @@ class _Draining:
 
     def finish(self, rounds: Rounds, payload: Payload, engine: EngineState | None) -> EngineState | None:
         return engine
+
+    def publish(self) -> None:
+        pass
 
 
 class Push:
@@ -201,6 +208,31 @@ class Push:
         if failures:
             raise agreed_error(rounds.error, failures, engine)
         return engine, run
+
+    def publish(self, engine: EngineState | None) -> None:
+        """The last step of a sync that every rank agreed on (and verified): the engine's weight version is stamped
+        (this rank's, where it writes into one), then every rank agrees on that.
+
+        Why last: the version says which push the engine holds (the server's `/weight_info`, what the async
+        trainer's rollouts are labelled with); a failure on any rank before this point leaves it where it was.
+
+        Raises:
+            SyncError: on every rank when the stamp failed on any (the engine holds this sync's weights, under its
+                previous version; the next sync is complete).
+        """
+        error: Exception | None = None
+        try:
+            self.role.publish()
+        except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
+            error = e
+        failures = self.coordinator.agree_on("publish", error)
+        if failures:
+            state = engine
+            if engine is not None:
+                state = EngineState(
+                    engine.status, engine.previous, engine.undefined, "its weight version was not moved to this sync"
+                )
+            raise agreed_error(error, failures, state)
 
 
 def _unpatched(whole: Sequence[PlannedTensor]) -> EngineState:

@@ -10,7 +10,8 @@ which collectives run), so a policy agrees with the other ranks inside `choose`.
 - `fsdp_sync.sync.delta.DeltaPolicy`: after one complete sync, what can have changed, proven every sync.
 - `fsdp_sync.sync.sparse.SparsePolicy`: over delta, the engine-dtype elements that changed, as patches.
 
-A new mode is a new module with a policy, and one line in `policy_for`; `WeightSync` does not change for it.
+A new mode is a new module with a policy, and one line in `fsdp_sync.assemble.policy_for`; `WeightSync` does not
+change for it (it imports no mode).
 """
 
 from __future__ import annotations

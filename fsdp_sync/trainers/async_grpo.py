@@ -12,20 +12,33 @@ The seam, and why it has two halves:
   vLLM's NCCL client on rank 0 and opens its NCCL group at train begin (CUDA only, and a second transfer the server
   would hold), and probes the server for its adapter files path. Its `destroy` closes this package's transfer at
   the end of training.
+`AsyncGRPOSeam` is everything the mixin does differently for this trainer (its constructor arguments, the merged
+default, the writer's options, the version move); the mixin picks it once (`fsdp_sync.trainers.seam_for`) and
+hands it typed callables, so nothing here reads a private attribute of the mixin, the writer or the transport.
 A `WeightTransferProtocol` alone could not do this: TRL calls its `pause` before its own gathers and hands it
 `_streaming_iter`, which calls `full_tensor()` per DTensor parameter and sends FSDP1's flat shards as they are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["MixinWeightTransfer", "run_async_sync"]
+from fsdp_sync.compat.trl_api import log_sync_metrics
+
+from ..errors import UnsupportedSetupError
+from .base import TrainerSeam, WriterOptions
+
+if TYPE_CHECKING:
+    from ..config import SyncConfig
+    from ..report import SyncReport
+
+__all__ = ["AsyncGRPOSeam", "MixinWeightTransfer"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +48,15 @@ class MixinWeightTransfer:
 
     TRL calls `init_weight_transfer` at train begin and `destroy` at the end of training (main process); `pause`,
     `send_weights` and `resume` belong to TRL's own sync (`_sync_weight_merged`), which the mixin replaces, and refuse.
+
+    Args:
+        trainer_name: the trainer's class name, for the refusals.
+        close: closes this package's transfer to the server (its group port is free when it returns).
     """
 
-    def __init__(self, trainer: Any) -> None:
-        self._trainer = trainer
+    def __init__(self, trainer_name: str, close: Callable[[], None]) -> None:
+        self._trainer_name = trainer_name
+        self._close = close
 
     def init_weight_transfer(self) -> None:
         """Nothing here: the transfer is set up at the first sync, on every rank together (its handshake is part of
@@ -47,7 +65,7 @@ class MixinWeightTransfer:
 
     def _refuse(self, what: str) -> None:
         raise RuntimeError(
-            f"{type(self._trainer).__name__} runs fsdp-vllm-sync's weight sync (FSDPVLLMSyncMixin); TRL's own "
+            f"{self._trainer_name} runs fsdp-vllm-sync's weight sync (FSDPVLLMSyncMixin); TRL's own "
             f"`{what}` is not used under it. Call `trainer._sync_weight()` (every rank) to push the weights."
         )
 
@@ -62,45 +80,101 @@ class MixinWeightTransfer:
 
     def destroy(self) -> None:
         """Close this package's transfer to the server (its group port is free when this returns)."""
-        sync = getattr(self._trainer, "_fvs_sync", None)
-        close = getattr(getattr(sync, "writer", None), "close", None)
-        if callable(close):
-            close()
+        self._close()
 
 
-def run_async_sync(trainer: Any) -> None:
-    """One async-trainer sync (what its `_sync_weight` does under the mixin); every rank calls it.
+class AsyncGRPOSeam(TrainerSeam):
+    """TRL's `AsyncGRPOTrainer` (and subclasses) under the mixin.
 
-    Moves `trainer.model_version` (every rank) and the rollout worker's version (main process) only after the sync
-    succeeded; logs TRL's `perf/weight_sync_s` (the whole sync, as TRL measures it) and `weight_sync/server_paused_s`
-    (how long the server's generation was paused: from the pause request to the resume answer) beside the sync's own
-    figures.
-
-    Raises:
-        SyncError: on every rank when the sync failed on any (`model_version` unchanged, the server resumed).
+    Args:
+        trainer_name: the trainer's class name, for messages.
     """
-    started = time.perf_counter()
-    report = trainer.sync_weights_to_vllm()
-    seconds = time.perf_counter() - started
-    trainer.model_version += 1
-    worker = getattr(trainer, "rollout_worker", None)
-    if worker is not None:
-        worker.update_model_version(trainer.model_version)
-    metrics = {"perf/weight_sync_s": seconds}
-    sync = getattr(trainer, "_fvs_sync", None)
-    pause = getattr(getattr(sync, "writer", None), "last_pause", None)
-    if pause is not None:
-        metrics["weight_sync/server_paused_s"] = pause[0]
-        metrics["weight_sync/server_write_s"] = pause[1]
-    buckets = getattr(trainer, "_metrics", None)
-    if isinstance(buckets, dict) and "train" in buckets:
-        for key, value in metrics.items():
-            buckets["train"][key].append(value)
-    logger.info(
-        "fsdp-vllm-sync: policy version %d on the server (sync %.3f s%s)",
-        trainer.model_version,
-        seconds,
-        f", generation paused {pause[0]:.3f} s" if pause is not None else "",
-    )
-    if report is None:
-        logger.warning("fsdp-vllm-sync: the trainer's built-in sync ran (DeepSpeed ZeRO)")
+
+    always_server = True
+
+    def __init__(self, trainer_name: str) -> None:
+        self.trainer_name = trainer_name
+
+    def constructor_kwargs(
+        self, bound: dict[str, Any], kwargs: dict[str, Any], close: Callable[[], None]
+    ) -> dict[str, Any]:
+        """The constructor gets this package's `weight_transfer`, and its config must name the server for every rank.
+
+        Raises:
+            UnsupportedSetupError: a `weight_transfer` of the user's, or no `args`.
+        """
+        if bound.get("weight_transfer") is not None:
+            raise UnsupportedSetupError(
+                f"{self.trainer_name} was given weight_transfer={bound['weight_transfer']!r}, but "
+                "FSDPVLLMSyncMixin owns the weight sync: drop the weight_transfer argument, or the mixin."
+            )
+        if bound.get("args") is None:
+            raise UnsupportedSetupError(
+                f"{self.trainer_name} with FSDPVLLMSyncMixin needs args=AsyncGRPOConfig(vllm_server_base_url=...), "
+                "so that every rank knows the vLLM server before the trainer is built."
+            )
+        return {**kwargs, "weight_transfer": MixinWeightTransfer(self.trainer_name, close)}
+
+    def sync_config(self, config: SyncConfig) -> SyncConfig:
+        """A LoRA model syncs merged (`SyncConfig(adapter=False)`).
+
+        Why: its rollout worker, a process of its own, names the model of every request itself (the base model, or
+        `<its adapter name>-v<model_version>` only when TRL chose its own adapter-files sync), and keeps requests of
+        older versions in flight while a new one is loaded; a pushed adapter would be loaded beside requests that go
+        on asking for the base, or unloaded under requests still running on it. Merged weights reach every request.
+
+        Raises:
+            UnsupportedSetupError: `SyncConfig(adapter=True)` (says why, and the fallback).
+        """
+        if config.adapter:
+            raise UnsupportedSetupError(
+                f"SyncConfig(adapter=True) with TRL's {self.trainer_name}: its rollout worker names the model of every "
+                "request itself and keeps older versions in flight, so a pushed adapter would not be what it "
+                "generates from. Use SyncConfig(adapter=False) (merged syncs; the default for this trainer)."
+            )
+        if config.adapter is None:
+            logger.info("fsdp-vllm-sync: TRL's AsyncGRPOTrainer syncs LoRA models merged (SyncConfig(adapter=False))")
+        return dataclasses.replace(config, adapter=False)
+
+    def writer_options(self, trainer: Any) -> WriterOptions:
+        """The rollouts keep generating during training: the server is paused for the write alone, and its weight
+        version names the policy version the rollouts will carry (the trainer's next `model_version`)."""
+        return WriterOptions(pause_for_write=True, version_label=lambda: f"v{trainer.model_version + 1}")
+
+    def sync(
+        self, trainer: Any, run: Callable[[], SyncReport | None], last_pause: Callable[[], tuple[float, float] | None]
+    ) -> None:
+        """One sync (what the trainer's `_sync_weight` does under the mixin); every rank calls it.
+
+        `run` publishes the server's weight version last, once every rank agreed (and verified); only after it
+        returned does `trainer.model_version` move (every rank) and the rollout worker hear of it (main process).
+        Logs TRL's `perf/weight_sync_s` (the whole sync, as TRL measures it) and `weight_sync/server_paused_s` (how
+        long the server's generation was paused: from the pause request to the resume answer) beside the sync's own
+        figures.
+
+        Raises:
+            SyncError: on every rank when the sync failed on any (`model_version`, the rollout worker and the
+                server's weight version unchanged, the server resumed).
+        """
+        started = time.perf_counter()
+        report = run()
+        seconds = time.perf_counter() - started
+        trainer.model_version += 1
+        # NOTE: TRL builds its rollout worker on the main process only.
+        worker = getattr(trainer, "rollout_worker", None)
+        if worker is not None:
+            worker.update_model_version(trainer.model_version)
+        metrics = {"perf/weight_sync_s": seconds}
+        pause = last_pause()
+        if pause is not None:
+            metrics["weight_sync/server_paused_s"] = pause[0]
+            metrics["weight_sync/server_write_s"] = pause[1]
+        log_sync_metrics(trainer, metrics)
+        logger.info(
+            "fsdp-vllm-sync: policy version %d on the server (sync %.3f s%s)",
+            trainer.model_version,
+            seconds,
+            f", generation paused {pause[0]:.3f} s" if pause is not None else "",
+        )
+        if report is None:
+            logger.warning("fsdp-vllm-sync: the trainer's built-in sync ran (DeepSpeed ZeRO)")

@@ -128,6 +128,10 @@ class AdapterWriter(Protocol):
         """What the engine can serve as an adapter; None where it was started without LoRA."""
         ...
 
+    def adapter_transport_refusal(self) -> str | None:
+        """Why this writer's transport cannot carry an adapter to the engine (None: it can), on every rank alike."""
+        ...
+
     def base_checkpoint(self) -> str:
         """The checkpoint directory the engine loaded its base weights from (checked once against the trainer's
         frozen base before the first adapter is written)."""

@@ -80,6 +80,9 @@ class ColocateWriter:
     def lora_limits(self) -> LoRALimits | None:
         return engine_lora_limits(self.handle.worker, self.handle.llm.llm_engine.vllm_config)
 
+    def adapter_transport_refusal(self) -> str | None:
+        return None  # the adapter is built in this process's LoRA manager
+
     def base_checkpoint(self) -> str:
         return self.checkpoint_dir
 

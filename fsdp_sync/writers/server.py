@@ -53,7 +53,14 @@ from ..server_client import (
 if TYPE_CHECKING:
     from ..transfer.staging import StagedTransfer
 
-__all__ = ["SUPPORTED_BACKENDS", "ServerPushError", "ServerTransportError", "ServerWriter", "check_server"]
+__all__ = [
+    "SUPPORTED_BACKENDS",
+    "ServerPushError",
+    "ServerResumeError",
+    "ServerTransportError",
+    "ServerWriter",
+    "check_server",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +71,10 @@ class ServerPushError(SyncError):
 
 class ServerTransportError(SyncError):
     """The transfer group itself failed (connection lost, timeout): a network error, not an engine error."""
+
+
+class ServerResumeError(ServerPushError):
+    """The weights were written under a pause, but the server did not resume its generation (`POST /resume`)."""
 
 
 @dataclass(frozen=True)
@@ -312,6 +323,8 @@ class ServerWriter:
         self.last_pause: tuple[float, float] | None = None
         # A sync began since the last staged round was sent: what a failed sync left staged is dropped first.
         self._new_sync = True
+        # The name of the adapter the last adapter sync loaded (requests ask for it by that name).
+        self._adapter_name: str | None = None
 
     # --- AdapterWriter: adapter syncs (`fsdp_sync.sync.adapter`), over the transfer, into the server's LoRA manager ---
 
@@ -321,14 +334,23 @@ class ServerWriter:
         rank = self.info.max_lora_rank
         return LoRALimits(rank, None, None) if rank is not None else None
 
+    def adapter_transport_refusal(self) -> str | None:
+        if self.backend != "gloo":
+            return (
+                f"adapter syncs to a server travel over this package's 'gloo' weight-transfer backend; the server "
+                f"uses {self.backend!r}"
+            )
+        return None
+
     def base_checkpoint(self) -> str:
         return self.checkpoint_dir
 
     def load_adapter(self, adapter: Adapter) -> None:
         """Send the adapter's tensors over the transfer; the server builds it and serves it to the next request that
         names it (`adapter.name`)."""
-        if self.backend != "gloo":
-            raise ServerConfigError(f"adapter syncs travel over the gloo backend; the server uses {self.backend!r}")
+        refusal = self.adapter_transport_refusal()
+        if refusal is not None:
+            raise ServerConfigError(refusal)
         self._source = self._source or plan_source(())
         try:
             engine = self._begin_round()
@@ -345,7 +367,7 @@ class ServerWriter:
 
     def adapter_request(self) -> object | None:
         """The name requests ask for the adapter by (TRL's client sends it as `model`)."""
-        return getattr(self, "_adapter_name", None)
+        return self._adapter_name
 
     def manifest(self) -> EngineManifest:
         try:
@@ -506,11 +528,18 @@ class ServerWriter:
             self._source.feed(stream)
             self._round_open = True
             if self.pause_for_write and not self.staged:
+                # NOTE: the prefix-cache reset inside the pause, as a staged commit does: a request resumed before it
+                # could reuse KV blocks computed from the previous weights.
                 with self._paused():
                     self._engine.send_weights()
+                    self._round_open = False
+                    stage = "reset"
+                    self.client.reset_prefix_cache()
             else:
                 self._engine.send_weights()
             self._round_open = False
+        except ServerResumeError:
+            raise
         except _UpstreamError as e:
             if not self.transport.aborts_round:
                 self._drop_transfer()
@@ -558,6 +587,11 @@ class ServerWriter:
             return seen
         if stage == "connect":
             return EngineState("unchanged", note="no weight was sent; the next sync connects again")
+        if stage == "reset":
+            return EngineState(
+                "current", note="every weight was written, but the prefix cache was not reset: cached blocks may have "
+                "been computed from the previous weights"
+            )
         if getattr(engine, "data_chunks", None) == 0:
             return EngineState("unchanged", note="the round ended before any weight was sent")
         return self.transport.partial_round
@@ -648,12 +682,14 @@ class ServerWriter:
 
     def finish(self) -> None:
         """End the push: staged rounds are written now, with the server paused (`pause_for_write`); the prefix
-        cache is reset (its blocks were computed from the previous weights)."""
+        cache is reset (its blocks were computed from the previous weights), inside the pause where there is one
+        (a paused write that does not stage reset it in `write`)."""
         assert self.client is not None
         if self.staged:
             self._commit()
             return
-        self.client.reset_prefix_cache()
+        if not self.pause_for_write:
+            self.client.reset_prefix_cache()
 
     def _commit(self) -> None:
         """Pause, write what the staged rounds delivered, reset the prefix cache, resume (whatever happened).
@@ -681,18 +717,37 @@ class ServerWriter:
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:
         """The server's generation paused (requests kept, not aborted) for the block, and resumed after it even when
-        it raised; the pause and the write are timed into `last_pause`."""
+        it raised; the pause and the write are timed into `last_pause` whenever the server was paused.
+
+        Raises:
+            the block's own error (a resume that fails after it is logged); `ServerResumeError` when the block
+            succeeded and the resume failed (the weights are written; the server stays paused).
+        """
         assert self.client is not None
         asked = time.perf_counter()
         self.client.pause()
         paused = time.perf_counter()
         try:
             yield
+        except BaseException:
+            self._resume(asked, paused, after_failure=True)
+            raise
+        self._resume(asked, paused, after_failure=False)
+
+    def _resume(self, asked: float, paused: float, *, after_failure: bool) -> None:
+        """Resume the paused server and time the pause (`last_pause`); see `_paused`."""
+        assert self.client is not None
+        wrote = time.perf_counter()
+        try:
+            self.client.resume()
+        except Exception as e:
+            if after_failure:  # NOTE: the write's own error is the one raised; this one is logged beside it
+                logger.error("weight sync: the vLLM server could not be resumed after the failed write: %s", e)
+                return
+            raise ServerResumeError(
+                f"The weights were written, but the vLLM server could not be resumed ({type(e).__name__}: {e}); its "
+                "generation stays paused until POST /resume succeeds.",
+                engine=EngineState("current", note="the server's generation is paused"),
+            ) from e
         finally:
-            wrote = time.perf_counter()
-            try:
-                self.client.resume()
-            except Exception as e:  # noqa: BLE001 - the write's own error, if any, is the one raised
-                logger.error("weight sync: the vLLM server could not be resumed after the write: %s", e)
-                raise
             self.last_pause = (time.perf_counter() - asked, wrote - paused)

@@ -41,6 +41,9 @@ class RecordingAdapterWriter:
     def lora_limits(self) -> LoRALimits:
         return LIMITS
 
+    def adapter_transport_refusal(self) -> str | None:
+        return None
+
     def base_checkpoint(self) -> str:
         return self.checkpoint
 

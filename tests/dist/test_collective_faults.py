@@ -38,6 +38,7 @@ from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import EngineState, SyncError
 from fsdp_sync.faults import COLLECTIVES
 from fsdp_sync.gather import make_gatherer
+from fsdp_sync.assemble import policy_for
 from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.writers import EnginePushError
 
@@ -175,7 +176,8 @@ class Job:
         self.engine = PatchEngine(per_rank, rank)
         config = SyncConfig(sparse=True, check_manifest=False, sync_timeout_s=TIMEOUT_S)
         gatherer = make_gatherer(self.model, detect_backend(self.model), config)
-        self.sync = WeightSync(gatherer, self.engine, config, backend=detect_backend(self.model).value)
+        backend_name = detect_backend(self.model).value
+        self.sync = WeightSync(gatherer, self.engine, config, backend=backend_name, policy=policy_for)
         self.step = 0
 
     def train(self) -> None:

@@ -84,21 +84,33 @@ def _assert_exact_every_sync(result: LaunchResult, backend: str, syncs: int) -> 
 
 def test_async_grpo_fsdp2_with_a_failed_sync(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
     """FSDP2, 2 ranks, verify on; the third sync fails on rank 1 (its gather raises): both ranks raise a SyncError at
-    once, `model_version` stays, the server is not left paused, and the retry is complete and exact."""
-    result = _run(checkpoints("qwen2"), tmp_path, server, "fsdp2", "--steps", "3", "--check", "--verify",
-                  "--fault-at", "3")  # fmt: skip
-    ranks = _assert_exact_every_sync(result, "fsdp2", syncs=4)
+    once, `model_version` stays, the server is not left paused, and the retry is complete and exact. The fourth fails
+    late, on rank 1 inside the push's outcome agreement, after rank 0 wrote the server's weights: no version moves
+    (the server's `/weight_info`, `model_version`, the rollout worker's, all read from outside the library)."""
+    result = _run(checkpoints("qwen2"), tmp_path, server, "fsdp2", "--steps", "4", "--check", "--verify",
+                  "--fault-at", "3", "--late-fault-at", "4")  # fmt: skip
+    ranks = _assert_exact_every_sync(result, "fsdp2", syncs=5)
     for r in ranks:
-        [error] = r["errors"]
+        error, late = r["errors"]
+        assert late["sync"] == 4 and late["is_sync_error"] and "failed on rank 1 (agree)" in late["message"], late
+        assert late["model_version"] == 3 and not late["engine_is_current"], late
+        assert late["server_weight_version_after"] == late["server_weight_version_before"], late
+        assert late["server_weight_version_before"].endswith(":v3"), late
+        assert late["rollout_worker_version_after"] == late["rollout_worker_version_before"], late
+        assert late["server_paused_after"] is False, late
+        if r["rank"] == 0:  # the server's weights were written before rank 1 failed, and the error says so
+            assert late["message"].endswith("This rank's engine holds every weight of this sync."), late["message"]
+            assert late["rollout_worker_version_before"] == 3, late
         assert error["sync"] == 3 and error["is_sync_error"], error
         assert "failed on rank 1" in error["message"] and "gather" in error["message"], error
         assert error["seconds"] < 10, error
         assert error["model_version"] == 2 and not error["engine_is_current"], error
         assert error["server_paused_after"] is False, error
         failed = [s for s in r["syncs"] if not s["ok"]]
-        assert len(failed) == 1
-        retry = r["syncs"][r["syncs"].index(failed[0]) + 1]
-        assert retry["ok"] and retry["complete"], retry
+        assert len(failed) == 2
+        for f in failed:
+            retry = r["syncs"][r["syncs"].index(f) + 1]
+            assert retry["ok"] and retry["complete"], retry
     # The sender compared the server's own digests with what it sent, after every sync (16 engine weights).
     assert all(s["verified"] == 16 for s in ranks[0]["syncs"] if s["ok"]), ranks[0]["syncs"]
 

@@ -38,6 +38,9 @@ LATER = ["check", "gather.prepare", "gather.launch", "gather.unflatten", "stream
 SPARSE = ["sparse.diff", "sparse.count", "sparse.pack", "sparse.unpack", "write.patches"]
 # The points only the rank that pushes reaches in server mode (the others gather, and receive no patches).
 SENDER_ONLY = ("write", "write.finish", "write.patches", "sparse.unpack")
+# The points after the sender's write: in server mode injected on the last rank (one that writes nothing), so that a
+# rank fails after rank 0 wrote the server's weights and before the sync ends.
+AFTER_WRITE = ("agree.outcome", "verify")
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "faults.json"
 # A learning rate at which a few percent of the bf16 values change per step: sparse syncs send patches.
 SPARSE_LR = "3e-6"
@@ -50,6 +53,8 @@ def _plan(points: list[str], world: int, *, server: bool) -> list[tuple[int, str
     faults = [(0, "build", 1 % world, "first"), (1, "plan", 0, "first")]
     for j, point in enumerate(points):
         rank = 0 if server and point in SENDER_ONLY else (j + 1) % world
+        if server and point in AFTER_WRITE:
+            rank = world - 1
         where = {"gather.launch": "1", "gather.unflatten": "last", "write": "5", "stream.cast": "3"}.get(point, "first")
         faults.append((3 + 2 * j, point, rank, where))
     return faults
@@ -96,6 +101,22 @@ def _check_faults(result: Any, faults: list[tuple[int, str, int, str]], backend:
         ok = [rep for rep in r["reports"] if rep["ok"]]
         assert len(ok) == len(checks)
     return timings
+
+
+def _check_server_versions(result: Any, faults: list[tuple[int, str, int, str]]) -> None:
+    """The server's weight version (`/weight_info`, read by the job from outside the library around every sync)
+    moved at every sync that succeeded and at no failed one: a failure on any rank, also after rank 0 wrote the
+    server's weights, leaves it naming the weights of the last sync that succeeded."""
+    main = next(r for r in result.ranks if r["rank"] == 0)
+    seen = main["server_versions"]
+    assert seen, "the job read no server weight version"
+    failed = {sync for sync, *_ in faults}
+    assert {v["sync"] for v in seen if not v["ok"]} == failed, seen
+    for v in seen:
+        if v["ok"]:
+            assert v["after"] != v["before"] and v["after"].startswith("fsdp-vllm-sync:"), v
+        else:
+            assert v["after"] == v["before"], f"the failed sync {v['sync']} moved the server's weight version: {v}"
 
 
 def _record(name: str, timings: list[dict]) -> None:
@@ -146,6 +167,7 @@ def test_every_fault_point_in_server_mode(backend: str, world: int, extra: list[
         ranks=world,
     )  # fmt: skip
     timings = _check_faults(result, faults, backend, world)
+    _check_server_versions(result, faults)
     _record(f"server-{backend}-{world}", timings)
 
 
@@ -172,6 +194,8 @@ def test_every_sparse_fault_point(backend: str, world: int, server_mode: bool, c
     result = run_grpo(checkpoints("qwen2"), tmp_path, backend, "--sparse", "--lr", SPARSE_LR, "--steps", str(steps),
                       *args, ranks=world)  # fmt: skip
     timings = _check_faults(result, faults, backend, world)
+    if server_mode:
+        _check_server_versions(result, faults)
     for r in result.ranks:
         ok = [rep for rep in r["reports"] if rep["ok"]]
         assert ok[-1]["sparse"] and ok[-1]["patched_tensors"] > 0, "sparse syncs did not resume after the faults"

@@ -180,6 +180,9 @@ class _AdapterEngine:
     def lora_limits(self) -> LoRALimits | None:
         return self.limits
 
+    def adapter_transport_refusal(self) -> str | None:
+        return None
+
     def base_checkpoint(self) -> str:
         return "/nonexistent"
 
@@ -209,9 +212,113 @@ def test_adapter_syncs_by_default_where_the_engine_serves_the_adapter_else_merge
     cpu = torch.device("cpu")
     sync = _adapter_sync(_tiny_peft(), _AdapterEngine(LIMITS), SyncConfig(), cpu, None)
     assert isinstance(sync, AdapterSync) and sync.plan is not None
+    # Reported as what runs: the adapter's pieces exchanged, into the engine's LoRA manager (nothing reloaded).
+    assert (sync.strategy, sync.writer_kind) == ("adapter-pieces", "colocate:lora_manager")
     with caplog.at_level(logging.INFO, logger="fsdp_sync.assemble"):
         assert _adapter_sync(_tiny_peft(), _AdapterEngine(None), SyncConfig(), cpu, None) is None
         assert _adapter_sync(_tiny_peft(use_dora=True), _AdapterEngine(LIMITS), SyncConfig(), cpu, None) is None
     assert "started without LoRA" in caplog.text and "DoRA" in caplog.text
     with pytest.raises(UnsupportedSetupError, match="SyncConfig\\(adapter=False\\)"):
         _adapter_sync(_tiny_peft(use_dora=True), _AdapterEngine(LIMITS), SyncConfig(adapter=True), cpu, None)
+
+
+def test_a_server_whose_transport_cannot_carry_an_adapter_falls_back_to_merged_syncs(monkeypatch, caplog) -> None:
+    """`adapter=None` on an NCCL server started with LoRA: merged syncs, the reason logged (no first push that fails);
+    `adapter=True` there is refused before anything is written, with the same reason."""
+    import logging
+
+    from fsdp_sync.assemble import _adapter_sync
+    from fsdp_sync.compat.server_api import ServerInfo
+    from fsdp_sync.errors import UnsupportedSetupError
+    from fsdp_sync.writers import server as server_writer
+
+    monkeypatch.setattr(server_writer.torch.cuda, "is_available", lambda: True)  # lets the nccl transport be chosen
+    info = ServerInfo(model="/srv/m", dtype=torch.float32, weight_transfer_backend="nccl", served_name="m",
+                      max_lora_rank=8)  # fmt: skip
+    writer = server_writer.ServerWriter(None, info, group_port=1, buffer_bytes=1024, timeout_s=5)
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger="fsdp_sync.assemble"):
+        assert _adapter_sync(_tiny_peft(), writer, SyncConfig(), cpu, None) is None
+    assert "merged syncs, not adapter syncs" in caplog.text and "'nccl'" in caplog.text
+    with pytest.raises(UnsupportedSetupError, match="uses 'nccl'"):
+        _adapter_sync(_tiny_peft(), writer, SyncConfig(adapter=True), cpu, None)
+
+
+def test_the_base_check_reads_only_each_pieces_rows_compares_exactly_and_closes_its_files(
+    monkeypatch, tmp_path
+) -> None:
+    import safetensors
+    from safetensors.torch import save_file
+
+    from fsdp_sync.gather.base import Piece
+    from fsdp_sync.sync.adapter import AdapterPlan, base_mismatches
+
+    weight = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    save_file({"w.weight": weight, "n.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    real, opened, reads = safetensors.safe_open, [], []
+
+    class Recorded:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.inner = real(*args, **kwargs)
+
+        def __enter__(self) -> Recorded:
+            self.inner.__enter__()
+            opened.append(self)
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            opened.remove(self)
+            self.inner.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return self.inner.keys()
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            raise AssertionError(f"the whole of {name} was read")
+
+        def get_slice(self, name: str) -> object:
+            view = self.inner.get_slice(name)
+
+            class Rows:
+                def get_shape(self) -> list[int]:
+                    return view.get_shape()
+
+                def __getitem__(self, rows: slice) -> torch.Tensor:
+                    reads.append((name, rows.start, rows.stop))
+                    return view[rows]
+
+            return Rows()
+
+    monkeypatch.setattr(safetensors, "safe_open", Recorded)
+    plan = AdapterPlan((), {}, {"w": "w.weight", "n": "n.weight"}, {}, "default")
+    # Elements 13..21 of the flattened weight (rows 3 to 5), and the whole norm.
+    pieces = [Piece("w", weight.reshape(-1)[13:22].clone(), 13), Piece("n", torch.ones(4), 0)]
+    assert base_mismatches(plan, pieces, str(tmp_path)) == []
+    assert reads == [("w.weight", 3, 6), ("n.weight", 0, 4)] and opened == []
+    changed = weight.reshape(-1)[13:22].clone()
+    changed[4] += 1e-6 * changed[4]  # one element, by one ulp's order: a digest or torch.equal, not allclose
+    found = base_mismatches(plan, [Piece("w", changed, 13)], str(tmp_path))
+    assert found == ["w.weight: differs from the trainer's frozen base"]
+    assert opened == []
+
+
+def test_every_option_applies_to_adapter_syncs_or_is_refused(caplog) -> None:
+    """`verify` (the engine gives no digests of its adapters): refused with adapter=True, merged syncs with
+    adapter=None (the reason logged); `sparse` likewise; `check_finite` checks the adapter's own pieces."""
+    import logging
+
+    from fsdp_sync.assemble import _adapter_sync
+    from fsdp_sync.errors import NonFiniteWeightsError
+    from fsdp_sync.gather.base import Piece
+    from fsdp_sync.sync.adapter import _check_finite
+
+    with pytest.raises(ValueError, match="adapter=True with verify=True"):
+        SyncConfig(adapter=True, verify=True)
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger="fsdp_sync.assemble"):
+        assert _adapter_sync(_tiny_peft(), _AdapterEngine(LIMITS), SyncConfig(verify=True), cpu, None) is None
+        assert _adapter_sync(_tiny_peft(), _AdapterEngine(LIMITS), SyncConfig(sparse=True), cpu, None) is None
+    assert "no digests of the adapters" in caplog.text and "sparse=True" in caplog.text
+    _check_finite([Piece("a.lora_A", torch.ones(3), 0)])
+    with pytest.raises(NonFiniteWeightsError, match="a.lora_B"):
+        _check_finite([Piece("a.lora_A", torch.ones(3), 0), Piece("a.lora_B", torch.tensor([1.0, float("nan")]), 2)])

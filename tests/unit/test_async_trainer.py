@@ -26,7 +26,7 @@ from fsdp_sync.compat.weight_transfer import plan_source, source_metadata, sourc
 from fsdp_sync.errors import SyncError, UnsupportedSetupError
 from fsdp_sync.server_client import ServerRequestError
 from fsdp_sync.sync.pipeline import WeightSync
-from fsdp_sync.trainers.async_grpo import MixinWeightTransfer, run_async_sync
+from fsdp_sync.trainers.async_grpo import AsyncGRPOSeam, MixinWeightTransfer
 from fsdp_sync._demo.dist import free_port
 from fsdp_sync.transfer import gloo, gloo_wire
 from fsdp_sync.writers import server as server_writer
@@ -88,9 +88,12 @@ def test_an_async_trainer_without_args_is_refused_with_what_to_pass() -> None:
 
 
 def test_trls_own_pause_send_and_resume_are_refused_and_destroy_closes_the_transfer() -> None:
-    closed = []
-    trainer = SimpleNamespace(_fvs_sync=SimpleNamespace(writer=SimpleNamespace(close=lambda: closed.append(1))))
-    transfer = MixinWeightTransfer(trainer)
+    """The `weight_transfer` the seam hands TRL's constructor: TRL's own pause/send/resume refuse (the mixin owns
+    the sync), and its `destroy` runs the close it was given."""
+    closed: list[int] = []
+    kwargs = AsyncGRPOSeam("Trainer").constructor_kwargs({"args": object()}, {"seed": 1}, lambda: closed.append(1))
+    transfer = kwargs["weight_transfer"]
+    assert isinstance(transfer, MixinWeightTransfer) and kwargs["seed"] == 1
     transfer.init_weight_transfer()  # nothing: set up at the first sync
     for call in (transfer.pause, transfer.resume, lambda: transfer.send_weights(iter(()))):
         with pytest.raises(RuntimeError, match=r"Call `trainer._sync_weight\(\)`"):
@@ -100,37 +103,46 @@ def test_trls_own_pause_send_and_resume_are_refused_and_destroy_closes_the_trans
 
 
 class _AsyncTrainer:
-    """What `run_async_sync` reads of the trainer."""
+    """The async trainer's public surface the seam uses: `model_version`, the rollout worker (main process), and
+    `Trainer.log` (where metrics go for a trainer without GRPO's metric buckets)."""
 
-    def __init__(self, fail: Exception | None = None) -> None:
+    def __init__(self) -> None:
         self.model_version = 3
-        self.fail = fail
         self.told: list[int] = []
         self.rollout_worker = SimpleNamespace(update_model_version=self.told.append)
-        self._metrics: dict[str, Any] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._fvs_sync = SimpleNamespace(writer=SimpleNamespace(last_pause=(0.25, 0.125)))
+        self.logged: list[dict[str, float]] = []
 
-    def sync_weights_to_vllm(self) -> object:
-        if self.fail is not None:
-            raise self.fail
-        return object()
+    def log(self, metrics: dict[str, float]) -> None:
+        self.logged.append(metrics)
 
 
 def test_the_policy_version_moves_after_a_sync_that_succeeded() -> None:
     trainer = _AsyncTrainer()
-    run_async_sync(trainer)
+    AsyncGRPOSeam("Trainer").sync(trainer, lambda: None, lambda: (0.25, 0.125))
     assert trainer.model_version == 4 and trainer.told == [4]
-    metrics = trainer._metrics["train"]
-    assert metrics["weight_sync/server_paused_s"] == [0.25] and metrics["weight_sync/server_write_s"] == [0.125]
-    assert len(metrics["perf/weight_sync_s"]) == 1
+    [metrics] = trainer.logged
+    assert metrics["weight_sync/server_paused_s"] == 0.25 and metrics["weight_sync/server_write_s"] == 0.125
+    assert metrics["perf/weight_sync_s"] >= 0
 
 
 def test_a_failed_sync_leaves_the_policy_version_and_the_rollout_worker_alone() -> None:
-    trainer = _AsyncTrainer(fail=SyncError("the weight sync failed on rank 1 (gather)"))
+    trainer = _AsyncTrainer()
+
+    def failing() -> None:
+        raise SyncError("the weight sync failed on rank 1 (gather)")
+
     with pytest.raises(SyncError, match="rank 1"):
-        run_async_sync(trainer)
-    assert trainer.model_version == 3 and trainer.told == []
-    assert not trainer._metrics["train"]
+        AsyncGRPOSeam("Trainer").sync(trainer, failing, lambda: None)
+    assert trainer.model_version == 3 and trainer.told == [] and trainer.logged == []
+
+
+def test_the_writer_labels_versions_with_the_next_policy_version_and_pauses_only_the_write() -> None:
+    trainer = _AsyncTrainer()
+    options = AsyncGRPOSeam("Trainer").writer_options(trainer)
+    assert options.pause_for_write and options.version_label is not None
+    assert options.version_label() == "v4"
+    trainer.model_version = 9
+    assert options.version_label() == "v10"
 
 
 # --- the writer: paused only for the write ------------------------------------------------------------------------
@@ -183,6 +195,7 @@ class PausingClient:
 
     def __init__(self) -> None:
         self.version = "default"
+        self.fail_resume: Exception | None = None
 
     def world_size(self) -> int:
         return 1
@@ -192,6 +205,8 @@ class PausingClient:
 
     def resume(self) -> None:
         StagingEngine.calls.append("resume")
+        if self.fail_resume is not None:
+            raise self.fail_resume
 
     def reset_prefix_cache(self) -> None:
         StagingEngine.calls.append("reset")
@@ -252,16 +267,18 @@ def test_a_staging_transport_sends_unpaused_and_pauses_only_for_the_write(monkey
 def test_nccl_cannot_stage_so_the_pause_covers_the_send(monkeypatch, tmp_path: Path) -> None:
     sync, _ = _pausing_sync(monkeypatch, tmp_path, "nccl")
     sync.sync()
-    assert StagingEngine.calls == ["pause", "send", "resume", "reset"]
+    # The prefix cache is reset inside the pause: a request resumed before it could reuse blocks of the old weights.
+    assert StagingEngine.calls == ["pause", "send", "reset", "resume"]
 
 
 def test_a_write_that_fails_under_the_pause_still_resumes_the_server(monkeypatch, tmp_path: Path) -> None:
     sync, client = _pausing_sync(monkeypatch, tmp_path, "gloo")
-    StagingEngine.fail_commit = ServerRequestError("HTTP 500: a staged update did not arrive whole")
+    StagingEngine.fail_commit = ServerRequestError("HTTP 500: the reload failed at model.layers.0 (part-way)")
     with pytest.raises(ServerPushError, match="failed to write the staged weights") as failed:
         sync.sync()
     assert StagingEngine.calls[:4] == ["send(staged)", "pause", "commit", "resume"]
     assert failed.value.engine is not None and failed.value.engine.status == "mixed"
+    assert sync.writer.last_pause is not None, "the server was paused: the pause is timed"  # type: ignore[attr-defined]
     assert client.version == "default"  # nothing stamped
     StagingEngine.fail_commit = None
     StagingEngine.calls = []
@@ -431,9 +448,86 @@ def test_gpt_oss_over_nccl_is_refused_only_where_the_server_lacks_the_fix(monkey
 
 def test_adapter_syncs_are_refused_for_the_async_trainer_and_merged_is_its_default() -> None:
     from fsdp_sync import SyncConfig
-    from fsdp_sync.mixin import _merged_for_async
 
     Trainer = _async_mixin_class()
     with pytest.raises(UnsupportedSetupError, match=r"rollout worker names the model of every request.*adapter=False"):
         Trainer(model="unused", args=SimpleNamespace(), sync_config=SyncConfig(adapter=True))
-    assert _merged_for_async(SyncConfig()).adapter is False
+    assert AsyncGRPOSeam("Trainer").sync_config(SyncConfig()).adapter is False
+
+
+def test_a_failed_verify_moves_no_version(monkeypatch, tmp_path: Path) -> None:
+    """Versions are published last: a push written on the server but failed by `verify` (its digests differ from
+    what was sent) leaves the server's weight version where it was, and the next good sync moves it."""
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.errors import VerifyError
+
+    sync, client = _pausing_sync(monkeypatch, tmp_path, "gloo")
+    sync = WeightSync(OneTensor(), sync.writer, SyncConfig(delta=False, verify=True), rules=NameRules())
+    sent = OneTensor().value.to(torch.bfloat16)
+    digest = __import__("hashlib").sha256(sent.contiguous().view(torch.uint8).numpy().data).hexdigest()
+    client.checksums = {"dp0:pp0:pcp0:tp0:w.weight": "0" * 64}
+    client.weight_checksums = lambda: dict(client.checksums)  # type: ignore[attr-defined]
+    with pytest.raises(VerifyError, match="w.weight") as failed:
+        sync.sync()
+    assert "commit" in StagingEngine.calls  # the weights were written
+    assert client.version == "default", "a failed verify moved the server's weight version"
+    engine = failed.value.engine
+    assert engine is not None and str(failed.value).endswith(f"This rank's engine {engine.describe()}.")
+    client.checksums = {"dp0:pp0:pcp0:tp0:w.weight": digest}
+    sync.sync()
+    assert client.version.startswith("fsdp-vllm-sync:") and client.version.endswith(":v7")
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_a_resume_that_fails_after_a_failed_write_keeps_the_writes_error(monkeypatch, tmp_path: Path, backend) -> None:
+    """The write's error is the one raised (the resume's is logged beside it), on both transports."""
+    sync, client = _pausing_sync(monkeypatch, tmp_path, backend)
+    client.fail_resume = ServerRequestError("HTTP 500: resume refused")
+    if backend == "gloo":
+        StagingEngine.fail_commit = ServerRequestError("HTTP 500: a staged update did not arrive whole")
+    else:
+        def refuse_reset() -> None:
+            raise ServerRequestError("HTTP 500: reset refused")
+
+        client.reset_prefix_cache = refuse_reset  # type: ignore[method-assign]
+    with pytest.raises(SyncError) as failed:
+        sync.sync()
+    text = str(failed.value)
+    assert ("did not arrive whole" if backend == "gloo" else "reset refused") in text, text
+    assert "resume refused" not in text, text
+    assert sync.writer.last_pause is not None  # type: ignore[attr-defined]
+    assert client.version == "default"
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_a_resume_that_fails_after_a_good_write_is_reported_as_such(monkeypatch, tmp_path: Path, backend) -> None:
+    """Not as a failed write: the weights are in (the engine holds every weight of the sync), the server stays
+    paused, and the version does not move (the sync failed)."""
+    from fsdp_sync.writers.server import ServerResumeError
+
+    sync, client = _pausing_sync(monkeypatch, tmp_path, backend)
+    client.fail_resume = ServerRequestError("HTTP 500: resume refused")
+    with pytest.raises(ServerResumeError, match="written, but the vLLM server could not be resumed") as failed:
+        sync.sync()
+    assert "failed to write" not in str(failed.value)
+    assert failed.value.engine is not None and failed.value.engine.status == "current"
+    assert str(failed.value).endswith(f"This rank's engine {failed.value.engine.describe()}.")
+    assert sync.writer.last_pause is not None  # type: ignore[attr-defined]
+    assert client.version == "default"
+
+
+def test_a_stamp_that_fails_is_agreed_and_says_the_weights_are_in_under_the_old_version(monkeypatch, tmp_path) -> None:
+    """The publish step's own failure: raised on every rank (stage `publish`), the engine holding this sync's weights
+    under its previous version; the next sync is complete and stamps again."""
+    sync, client = _pausing_sync(monkeypatch, tmp_path, "gloo")
+
+    def refuse(version: str) -> None:
+        raise ServerRequestError("HTTP 500: update_weight_version refused")
+
+    client.update_weight_version = refuse  # type: ignore[method-assign]
+    with pytest.raises(SyncError, match=r"rank 0 \(publish\)") as failed:
+        sync.sync()
+    assert failed.value.engine is not None and failed.value.engine.status == "current"
+    assert "its weight version was not moved" in str(failed.value) and client.version == "default"
+    del client.update_weight_version
+    assert sync.sync().complete and client.version.endswith(":v7")

@@ -15,6 +15,7 @@ import torch
 from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
 from fsdp_sync.sync.delta import DeltaTracker, EngineGroups, fingerprints
+from fsdp_sync.assemble import policy_for
 from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.config import SyncConfig
 
@@ -174,7 +175,8 @@ def _q_proj_trained(**options: bool) -> tuple[dict[str, torch.Tensor], FakeGathe
     gatherer = FakeGatherer(tensors)
     gatherer.trainable_names = frozenset({WRAPPED_Q_PROJ})
     writer = GroupingWriter(_manifest_for(tensors))
-    return tensors, gatherer, writer, WeightSync(gatherer, writer, SyncConfig(**{"delta": True, **options}))
+    sync = WeightSync(gatherer, writer, SyncConfig(**{"delta": True, **options}), policy=policy_for)
+    return tensors, gatherer, writer, sync
 
 
 def test_first_sync_complete_then_only_the_trainable_weights() -> None:

@@ -90,3 +90,16 @@ def test_writers_and_transfer_import_nothing_of_the_sync() -> None:
         if name.startswith(("fsdp_sync.writers", "fsdp_sync.transfer"))
     }
     assert not {k: v for k, v in bad.items() if v}, bad
+
+
+def test_the_pipeline_imports_no_mode_and_the_mixin_no_sync_kind() -> None:
+    """`WeightSync` knows the order of a sync's steps, never its modes (the policies are built where the sync is
+    assembled); the mixin drives every sync kind through `sync.contract.Sync` (it never asks which kind it holds);
+    the trainer seams are handed what they need and import no mixin."""
+    graph = _graph()
+    modes = ("fsdp_sync.sync.delta", "fsdp_sync.sync.sparse", "fsdp_sync.sync.adapter")
+    assert not {d for d in graph["fsdp_sync.sync.pipeline"] if d.startswith(modes)}, graph["fsdp_sync.sync.pipeline"]
+    kinds = ("fsdp_sync.sync.pipeline", "fsdp_sync.sync.adapter")
+    assert not {d for d in graph["fsdp_sync.mixin"] if d.startswith(kinds)}, graph["fsdp_sync.mixin"]
+    seams = {name: deps for name, deps in graph.items() if name.startswith("fsdp_sync.trainers")}
+    assert seams and not {n: d for n, d in seams.items() if any(x.startswith("fsdp_sync.mixin") for x in d)}

@@ -93,3 +93,45 @@ def test_generation_syncs_first_while_the_engine_is_stale() -> None:
     trainer._fvs_stale = True
     assert generation.generate(["b"]) == ["b!"] and calls == ["sync"]
     assert not trainer.engine_is_current
+
+
+def test_a_rank_that_writes_into_no_engine_says_so_in_its_error_and_its_report(monkeypatch) -> None:
+    """Server mode: only the main process writes. Another rank's failed sync neither claims an engine state it
+    cannot know ("unknown" means a server that does not answer) nor ends without saying what holds what."""
+    import pytest
+    import torch
+
+    from fsdp_sync import SyncConfig, mixin
+    from fsdp_sync.errors import NO_ENGINE, RankFailure, RemoteSyncError, agreed_error
+
+    class NoEngine:
+        kind = "server:gloo"
+        pushes = False
+
+    class FailingSync:
+        backend, strategy, writer_kind, serves_adapter, sync_plan = "plain", "plain", "server:gloo", False, None
+        writer = NoEngine()
+
+        def sync(self) -> None:
+            raise agreed_error(None, [RankFailure(0, "push", "RuntimeError: the server refused")], None)
+
+        def resync(self) -> None:
+            pass
+
+    monkeypatch.setattr(mixin, "ColocateWriter", lambda llm, **kwargs: NoEngine())
+    monkeypatch.setattr(mixin, "build_sync", lambda *args, **kwargs: FailingSync())
+    trainer_cls = type("T", (FSDPVLLMSyncMixin, GenerationTrainer), {})
+    trainer = trainer_cls(nn.Linear(2, 2), sync_config=SyncConfig(log_metrics=False))
+    trainer.accelerator = SimpleNamespace(device=torch.device("cpu"))
+    with pytest.raises(RemoteSyncError) as failed:
+        trainer.sync_weights_to_vllm()
+    assert str(failed.value).endswith(f"{NO_ENGINE}."), str(failed.value)
+    report = trainer.sync_reports[-1]
+    assert (report.engine, report.writer, report.strategy) == ("none", "server:gloo", "plain")
+
+
+def test_an_unchanged_engine_is_described_truly_at_the_first_sync_too() -> None:
+    from fsdp_sync.errors import EngineState
+
+    text = EngineState("unchanged").describe()
+    assert "previous sync" not in text and "held before this sync" in text

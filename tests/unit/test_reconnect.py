@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from fsdp_sync.compat.names import NameRules
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import SyncError
+from fsdp_sync.assemble import policy_for
 from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.server_client import ServerRequestError, ServerRouteMissing, ServerUnavailableError
 from fsdp_sync._demo.dist import free_port
@@ -124,7 +125,7 @@ def _served(tmp_path: Path, config: SyncConfig | None = None) -> tuple[WeightSyn
     writer = ServerWriter(
         server, _info(), group_port=port, checkpoint_dir=str(tmp_path), buffer_bytes=1024, timeout_s=5  # type: ignore[arg-type]
     )
-    return WeightSync(TwoTensorGatherer(), writer, config, rules=NameRules()), server, port
+    return WeightSync(TwoTensorGatherer(), writer, config, rules=NameRules(), policy=policy_for), server, port
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from fsdp_sync.compat.patch_api import EnginePatch
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import SyncError
 from fsdp_sync.memory import MemoryMeter
+from fsdp_sync.assemble import policy_for
 from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.gather.base import Piece, replica_piece
 from fsdp_sync.sync.patches import Patch, count_changes, gather_patches
@@ -135,7 +136,7 @@ def _config(**kw: object) -> SyncConfig:
 def test_dense_first_then_patches_and_dense_over_the_threshold_with_its_engine_module() -> None:
     tensors = _model()
     engine = Engine(tensors)
-    sync = WeightSync(Gatherer(tensors), engine, _config(sparse_max_density=0.1))
+    sync = WeightSync(Gatherer(tensors), engine, _config(sparse_max_density=0.1), policy=policy_for)
     first = sync.sync()
     assert first.complete and not first.sparse and first.snapshot_bytes == sum(t.numel() * 2 for t in tensors.values())
     _exact(engine, tensors)
@@ -160,7 +161,7 @@ def test_a_sync_that_goes_mostly_whole_backs_off_to_dense_syncs_then_tries_again
 
     tensors = _model()
     engine = Engine(tensors)
-    sync = WeightSync(Gatherer(tensors), engine, _config(sparse_max_density=0.1))
+    sync = WeightSync(Gatherer(tensors), engine, _config(sparse_max_density=0.1), policy=policy_for)
     sync.sync()
     kinds = []
     for _ in range(BACKOFF_SYNCS + 2):
@@ -176,7 +177,7 @@ def test_a_nan_goes_whole_never_as_a_patch() -> None:
     """vLLM's patch loader reads NaN as "unchanged": a tensor whose new values hold one goes whole."""
     tensors = _model()
     engine = Engine(tensors)
-    sync = WeightSync(Gatherer(tensors), engine, _config())
+    sync = WeightSync(Gatherer(tensors), engine, _config(), policy=policy_for)
     sync.sync()
     tensors[NORM][3] = float("nan")
     report = sync.sync()
@@ -187,7 +188,7 @@ def test_a_nan_goes_whole_never_as_a_patch() -> None:
 def test_a_tensor_the_engine_cannot_patch_goes_whole_with_its_module_every_time() -> None:
     tensors = _model()
     engine = Engine(tensors, refuse="model.layers.0.self_attn.qkv_proj.weight")
-    sync = WeightSync(Gatherer(tensors), engine, _config())
+    sync = WeightSync(Gatherer(tensors), engine, _config(), policy=policy_for)
     sync.sync()
     _step(tensors, {O: 0.01, V: 0.01})
     report = sync.sync()
@@ -199,7 +200,7 @@ def test_a_tensor_the_engine_cannot_patch_goes_whole_with_its_module_every_time(
 def test_a_failed_patch_push_drops_the_snapshot_and_the_next_sync_is_complete() -> None:
     tensors = _model()
     engine = Engine(tensors)
-    sync = WeightSync(Gatherer(tensors), engine, _config())
+    sync = WeightSync(Gatherer(tensors), engine, _config(), policy=policy_for)
     sync.sync()
     _step(tensors, {O: 0.01})
     engine.fail_patches = True
