@@ -67,14 +67,20 @@ def _entry(
 
 
 def run_distributed(
-    fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str | None = None, clean_exit: bool = True
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    backend: str | None = None,
+    clean_exit: bool = True,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Call `fn(rank, world_size, *args)` on `world_size` spawned processes; return each rank's result.
 
     `fn` must be importable (module level) and its result picklable. Raises RuntimeError naming the failing ranks
     with their tracebacks. `clean_exit=False` for a scenario that leaves its process group unusable (a timed-out
     collective): the ranks leave at once, without the final barrier and without destroying the group (joining
-    gloo's threads would wait for the collective that never completes).
+    gloo's threads would wait for the collective that never completes). `start_method="spawn"` starts each rank in a
+    fresh interpreter (benchmarks/launch_cost.py compares the two).
     """
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo")
     mp.set_forkserver_preload(_PRELOAD)
@@ -85,7 +91,7 @@ def run_distributed(
                 args=(world_size, free_port(), backend, fn, args, out, clean_exit),
                 nprocs=world_size,
                 join=True,
-                start_method="forkserver",
+                start_method=start_method,
             )
         except mp.ProcessExitedException as e:
             written = [r for r in range(world_size) if Path(out, f"rank{r}.pkl").exists()]
