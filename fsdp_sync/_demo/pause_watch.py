@@ -121,9 +121,10 @@ class PauseWatch:
 
     def summary(self) -> dict[str, Any]:
         """What the server said during the sync, against the span in which this process moved data:
-        `during_data` polls answered wholly inside that span (`paused_during_data` of them said paused: the server
-        was paused while data moved); `paused` polls said paused at all, `paused_after_data` of them were answered
-        after the span ended (the write follows the send)."""
+        `paused_before_data_end` polls said paused and were answered before the span ended (the server was paused
+        at a moment before the data had moved: within one sync nothing may pause it before its write);
+        `during_data` polls were answered wholly inside the span (`paused_during_data` of them said paused);
+        `paused` polls said paused at all (the write's pause, seen)."""
         windows = [(a, b) for a, b in self.windows if b > 0]
         if not windows:
             return {"windows": 0, "polls": len(self.samples), "unanswered": len(self.errors), "errors": self.errors[:3]}
@@ -137,7 +138,7 @@ class PauseWatch:
             "during_data": len(inside),
             "paused_during_data": sum(inside),
             "paused": len(paused),
-            "paused_after_data": sum(1 for _, answered in paused if answered > end),
+            "paused_before_data_end": sum(1 for _, answered in paused if answered <= end),
             "unanswered": len(self.errors),
             "errors": self.errors[:3],
         }

@@ -92,9 +92,11 @@ def _assert_paused_only_for_the_write(watched: list[dict], syncs: int) -> None:
     for i, w in enumerate(watched, start=1):
         print(f"sync {i}: the server as polled: {w}")
         assert w["windows"] > 0, f"sync {i}: no data moved by the sender: {w}"
+        assert w["paused_before_data_end"] == 0 and w["paused_during_data"] == 0, (
+            f"sync {i}: the server was paused before the sender's data had moved: {w}"
+        )
         assert w["during_data"] > 0, f"sync {i}: no poll answered while the data moved (the check saw nothing): {w}"
-        assert w["paused_during_data"] == 0, f"sync {i}: the server was paused while the data moved: {w}"
-        assert w["paused"] > 0 and w["paused_after_data"] == w["paused"], f"sync {i}: not paused for the write: {w}"
+        assert w["paused"] > 0, f"sync {i}: the server was never seen paused for the write: {w}"
 
 
 def test_async_grpo_fsdp2_with_a_failed_sync(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
