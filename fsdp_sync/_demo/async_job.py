@@ -7,7 +7,9 @@ writes `<out>/rank<r>.json` with the wrapper type, the sync reports and, per syn
   trainer's weights taken independently, `grpo_job.full_reference_model`), and its first-token logprobs equal the
   trainer's model's;
 - the server's weight version names the trainer's `model_version`, and the rollout worker was told that version;
-- the rollouts the trainer consumed carry their policy version (recorded with the trainer's version at that time).
+- the rollouts the trainer consumed carry their policy version (recorded with the trainer's version at that time);
+- (main process) what the server answered to `GET /is_paused`, polled from a thread through the whole sync, against
+  when this process moved the sync's data (`fsdp_sync._demo.pause_watch`).
 Before training the trainer's weights are perturbed away from the server's checkpoint, so the first sync must change
 every server weight. `--stock` runs TRL's own sync instead (no mixin), with a gloo stand-in for its NCCL client, and
 records what the server then holds.
@@ -42,7 +44,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--verify", action="store_true", help="SyncConfig(verify=True)")
     p.add_argument("--check", action="store_true", help="bit-exact server check after every sync")
     p.add_argument("--stock", action="store_true", help="TRL's own sync (no mixin), with a gloo stand-in for NCCL")
-    p.add_argument("--peft", action="store_true", help="train a LoRA adapter (r=4 on q_proj and v_proj)")
+    p.add_argument("--peft", action="store_true", help="train a rsLoRA adapter (r=4, alpha=6 on q_proj and v_proj)")
     p.add_argument("--sync-timeout-s", type=float, default=120.0)
     p.add_argument(
         "--fault-at",
@@ -108,6 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from fsdp_sync._demo.async_cpu import enable_async_grpo_on_cpu
     from fsdp_sync._demo.cpu_fsdp import enable_real_fsdp_on_cpu, restore_fsdp_distributed_type
     from fsdp_sync._demo.grpo_job import ServerChecker
+    from fsdp_sync._demo.pause_watch import PauseWatch
     from fsdp_sync.faults import Injector, injecting
 
     enable_real_fsdp_on_cpu()
@@ -116,6 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     record: dict[str, Any] = {
         "rank": rank, "world_size": world, "syncs": [], "checks": [], "errors": [], "pauses": [], "sync_seconds": [],
+        "pause_watch": [],
     }  # fmt: skip
     checks: list[dict[str, Any]] = record["checks"]
     sync_index = {"n": 0}
@@ -124,6 +128,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         """A user's subclass: checks the server after each sync (what a callback of theirs could do)."""
 
         def _sync_weight(self) -> None:
+            if rank != 0:
+                self._sync_weight_watched()
+                return
+            # The sender's process: the server's own `/is_paused`, polled through the whole sync (retry included).
+            with PauseWatch(args.server_url) as watch:
+                self._sync_weight_watched()
+            record["pause_watch"].append(watch.summary())
+
+        def _sync_weight_watched(self) -> None:
             import requests
 
             sync_index["n"] += 1
@@ -196,7 +209,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.peft:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        # NOTE: rsLoRA (scaling alpha/sqrt(r) = 3, not a power of two): the merged push is checked bit for bit against
+        # PEFT's own merge, so a scaling applied in another place or dtype shows.
+        peft_config = LoraConfig(
+            r=4, lora_alpha=6, use_rslora=True, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+        )
     stand_in = None
     if args.stock:
         from fsdp_sync._demo.stock_async import GlooStandIn

@@ -8,7 +8,6 @@ The engine is not the subject here (a recording writer); tests/e2e/test_adapters
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -16,51 +15,11 @@ import torch
 import torch.distributed as dist
 
 from fsdp_sync.assemble import build_sync
-from fsdp_sync.compat.lora_api import Adapter, LoRALimits
 from fsdp_sync.config import SyncConfig
 from fsdp_sync._demo.dist import run_distributed
 
-from .models import tiny_lm, train_step
-
-LIMITS = LoRALimits(8, frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}), torch.float32)
-
-
-class RecordingAdapterWriter:
-    """Keeps every adapter it is given (an `AdapterWriter`)."""
-
-    kind = "record"
-    pushes = True
-    engine_per_rank = True
-    retains_tensors = False
-    engine_dtype = torch.float32
-
-    def __init__(self, checkpoint: str) -> None:
-        self.checkpoint = checkpoint
-        self.adapters: list[Adapter] = []
-
-    def lora_limits(self) -> LoRALimits:
-        return LIMITS
-
-    def adapter_transport_refusal(self) -> str | None:
-        return None
-
-    def base_checkpoint(self) -> str:
-        return self.checkpoint
-
-    def load_adapter(self, adapter: Adapter) -> None:
-        self.adapters.append(Adapter(adapter.adapter_id, adapter.name, {k: v.clone() for k, v in adapter.tensors.items()}, adapter.config))
-
-    def adapter_request(self) -> object | None:
-        return self.adapters[-1].name if self.adapters else None
-
-
-def _full_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trainer's adapter by PEFT checkpoint name, taken independently of the sync (full state dict)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k.replace(".default", ""): v.detach().cpu().clone() for k, v in state.items() if ".lora_" in k}
-
+from .adapters import RecordingAdapterWriter, full_adapter, peft_lm, save_base, wrap
+from .models import train_step
 
 class _Counter:
     def __init__(self) -> None:
@@ -86,61 +45,25 @@ class _Counter:
         dist.all_gather_into_tensor = gather
 
 
-def _peft(seed: int = 0, **lora: object) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(tiny_lm(seed), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **lora))
-    torch.manual_seed(1)
-    with torch.no_grad():  # a non-zero adapter
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.5)
-    return model
-
-
-def wrap(model: torch.nn.Module, backend: str, world_size: int) -> torch.nn.Module:
-    """A PEFT model sharded per decoder layer (the adapters inside their layer's unit), then at the root."""
-    layers = model.get_base_model().model.layers
-    if backend == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        policy = ModuleWrapPolicy({type(layers[0])})
-        return FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
-def _save_base(directory: str, seed: int) -> None:
-    if dist.get_rank() == 0:
-        tiny_lm(seed).save_pretrained(directory)
-    dist.barrier()
-
-
 def adapter_scenario(rank: int, world_size: int, backend: str, directory: str) -> dict[str, object]:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from fsdp_sync.sync.adapter import AdapterSync
 
-    _save_base(directory, seed=0)
-    wrapped = wrap(_peft(), backend, world_size)
+    save_base(directory, seed=0)
+    wrapped = wrap(peft_lm(), backend, world_size)
     wrapper_ok = isinstance(wrapped, FSDP if backend == "fsdp1" else FSDPModule)
     writer = RecordingAdapterWriter(directory)
     sync = build_sync(wrapped, writer, SyncConfig(adapter=True), device=torch.device("cpu"))
-    expected = _full_adapter(wrapped)
+    expected = full_adapter(wrapped)
     adapter_numel = sum(t.numel() for t in expected.values())
     counter = _Counter()
     first_report = sync.sync()
     in_first = (counter.unshards, counter.gathered)
     optimizer = torch.optim.SGD([p for p in wrapped.parameters() if p.requires_grad], lr=0.5)
     train_step(wrapped, optimizer)
-    trained = _full_adapter(wrapped)
+    trained = full_adapter(wrapped)
     counter.unshards = counter.gathered = 0
     second_report = sync.sync()
     in_second = (counter.unshards, counter.gathered)
@@ -178,8 +101,8 @@ def test_adapter_sync_pushes_the_full_adapter_and_unshards_nothing(backend: str,
 def refusal_scenario(rank: int, world_size: int, backend: str, directory: str, case: str) -> dict[str, object]:
     from fsdp_sync.errors import UnsupportedSetupError
 
-    _save_base(directory, seed=7 if case == "other-base" else 0)
-    model = _peft(use_dora=True) if case == "dora" else _peft()
+    save_base(directory, seed=7 if case == "other-base" else 0)
+    model = peft_lm(use_dora=True) if case == "dora" else peft_lm()
     wrapped = wrap(model, backend, world_size)
     writer = RecordingAdapterWriter(directory)
     try:

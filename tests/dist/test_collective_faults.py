@@ -2,8 +2,8 @@
 every rank raise a `SyncError` within seconds naming that rank and the collective's stage; the failing rank's error is
 a `SyncError` chained to the original; every engine holds only previous or new values; the next sync is exact.
 
-Faults come from outside the library: the test wraps torch's own `torch.distributed` functions on one rank. The
-library calls each collective through `fsdp_sync.distributed.collective(name, ...)` (the listing test
+Faults come from outside the library: the test wraps torch's own `torch.distributed` functions on one rank
+(`tests/dist/faultcheck.py`'s `Faults`, whose assertions the three fault files share). The library calls each collective through `fsdp_sync.distributed.collective(name, ...)` (the listing test
 `tests/unit/test_guarded_collectives.py` holds it to that), and the wrapper reads that frame's `name` only to pick
 which call to fail; it fails the call either before torch runs it (the call raised, the other ranks are inside) or
 after it returned (this rank raises just after a collective the others completed). 2 gloo ranks, real FSDP1 and
@@ -16,14 +16,9 @@ hit at least once (the adapter sync's exchange, `adapter.pieces`, is faulted by 
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import random
-import sys
 import time
-from pathlib import Path
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pytest
@@ -42,14 +37,11 @@ from fsdp_sync.assemble import policy_for
 from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.writers import EnginePushError
 
+from .faultcheck import TIMEOUT_S, Faults, check_failed_everywhere, error_record, record_faults
 from .models import tiny_lm, train_step, wrap
 
 ENGINE = torch.bfloat16
-TIMEOUT_S = 40.0
-# Every rank must raise within this (the bound the issue asks for: seconds, not `sync_timeout_s`).
-FAST_S = 5.0
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-WRAPPED = ("all_gather_into_tensor", "gather", "all_gather_object", "all_reduce", "monitored_barrier")
 
 
 class PatchEngine:
@@ -98,48 +90,6 @@ class PatchEngine:
 
     def patch_refusals(self) -> dict[str, str]:
         return {}
-
-
-class Faults:
-    """Wraps torch's collectives on this rank; fails the `nth` call (1-based, counted per declared collective name
-    from `arm`) of `name`, `before` torch runs it or after it returned. Counts every call per name meanwhile."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.originals = {fn: getattr(dist, fn) for fn in WRAPPED}
-        self.calls: dict[str, int] = {}
-        self.armed: tuple[str, int, bool] | None = None
-        self.fired: list[tuple[str, int, bool]] = []
-        for fn, original in self.originals.items():
-            setattr(dist, fn, self._wrap(original))
-
-    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1)
-            # The library's guard (`fsdp_sync.distributed.collective`) names each call; torch's own calls pass.
-            name = caller.f_locals.get("name") if caller.f_code.co_name == "collective" else None
-            if name is None:
-                return original(*args, **kwargs)
-            n = self.calls[name] = self.calls.get(name, 0) + 1
-            hit = self.armed is not None and self.armed[:2] == (name, n)
-            if hit and self.armed[2]:  # type: ignore[index]
-                self.fired.append(self.armed)  # type: ignore[arg-type]
-                self.armed = None
-                raise RuntimeError(f"injected: torch.distributed.{original.__name__} raised ({name}, call {n})")
-            result = original(*args, **kwargs)
-            if hit:
-                self.fired.append(self.armed)  # type: ignore[arg-type]
-                self.armed = None
-                raise RuntimeError(f"injected: after torch.distributed.{original.__name__} returned ({name}, call {n})")
-            return result
-
-        return wrapped
-
-    def arm(self, fault: tuple[str, int, bool] | None) -> None:
-        self.calls = {}
-        self.armed = fault
 
 
 def _nudge(model: torch.nn.Module, step: int) -> None:
@@ -201,15 +151,7 @@ class Job:
             record["error"] = None
             record["sparse"] = report.sparse
         except SyncError as e:
-            record["error"] = {
-                "type": type(e).__name__,
-                "message": str(e),
-                "failures": [(f.rank, f.stage) for f in e.failures],
-                "engine": e.engine.status if e.engine is not None else None,
-                "cause": type(e.__cause__).__name__ if e.__cause__ is not None else None,
-                # What the message says of the engine is what `engine` (the failed SyncReport's) says.
-                "engine_said": e.engine is None or f"This rank's engine {e.engine.describe()}." in str(e),
-            }
+            record["error"] = error_record(e)
         record["seconds"] = time.perf_counter() - started
         record["fired"] = list(faults.fired)
         record["calls"] = dict(faults.calls)
@@ -228,47 +170,20 @@ class Job:
         return record
 
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "faults.json"
-
-
-def _record(run: str, results: list[list[dict[str, object]]]) -> None:
-    """With FSDP_VLLM_SYNC_RECORD_FAULTS=1: keep what every rank raised for docs/failures.md's table of collectives
-    (`python -m benchmarks.faults`)."""
-    if os.environ.get("FSDP_VLLM_SYNC_RECORD_FAULTS") != "1":
-        return
-    today = datetime.date.today().isoformat()
-    rows = [
-        {"collective": r["fault"][0], "call": r["fault"][1], "before": r["fault"][2], "sync": i, "rank": rank,  # type: ignore[index]
-         "failing": rank == r["failing"], "type": r["error"]["type"], "engine": r["error"]["engine"],  # type: ignore[index]
-         "seconds": round(r["seconds"], 4), "measured": today}  # type: ignore[arg-type]
-        for rank, records in enumerate(results) for i, r in enumerate(records)
-    ]  # fmt: skip
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data[run] = rows
-    RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True))
-
-
 def _check(record: dict[str, object], rank: int, label: str) -> None:
-    """One faulted sync on one rank: raised a SyncError naming the failing rank and the collective's stage, fast;
-    the failing rank's own error chained to the injected one; the engine old-or-new; the retry exact."""
+    """One faulted sync on one rank: every rank failed fast naming the failing rank and the collective's stage
+    (`faultcheck`); the engine old-or-new; the retry exact."""
     name, _, _ = record["fault"]  # type: ignore[misc]
-    failing = record["failing"]
-    error = record["error"]
-    assert error is not None, f"{label}: rank {rank} did not fail: {record}"
-    stage = COLLECTIVES[name].stage
-    assert error["failures"] == [(failing, stage)], (label, rank, error["failures"], error["message"][:600])
-    assert f"rank {failing} ({stage})" in error["message"], (label, error["message"][:600])
-    assert "injected:" in error["message"], (label, error["message"][:600])
-    if rank == failing:
-        assert error["type"] != "RemoteSyncError" and error["cause"] is not None, (label, error)
-        assert len(record["fired"]) == 1, (label, record["fired"])  # type: ignore[arg-type]
-    else:
-        assert error["type"] == "RemoteSyncError", (label, rank, error["type"])
-    assert error["message"].count("The weight sync failed on") == 1, (label, error["message"][:800])
-    assert error["engine_said"], (label, error["engine"], error["message"][:800])
-    assert record["seconds"] < FAST_S, f"{label}: rank {rank} took {record['seconds']:.1f} s to raise"
-    # "current" where the fault came after the push (the outcome agreement): then every weight is the new one.
-    assert error["engine"] != "undefined", (label, rank, error["engine"])
+    check_failed_everywhere(
+        record["error"],  # type: ignore[arg-type]
+        rank=rank,
+        failing=record["failing"],  # type: ignore[arg-type]
+        stage=COLLECTIVES[name].stage,
+        fired=len(record["fired"]),  # type: ignore[arg-type]
+        seconds=record["seconds"],  # type: ignore[arg-type]
+        label=label,
+        marker="injected:",
+    )
     assert record.get("neither", []) == [], f"{label}: rank {rank}'s engine holds neither old nor new {record['neither']}"
     assert record["retry"]["complete"], (label, record["retry"])  # type: ignore[index]
     assert record["after"] == [], f"{label}: rank {rank} not exact after the retry: {record['after']}"
@@ -316,7 +231,7 @@ def test_a_raise_in_any_collective_of_a_sparse_sync_fails_every_rank_at_once(
     status round's own all-gather raising on rank 0 left both ranks waiting. Now each fails every rank in seconds."""
     results = run_distributed(cases_scenario, backend, per_rank, failing)
     mode = "colocate" if per_rank else "server"
-    _record(f"collectives-{mode}-{backend}-2-rank{failing}", results)
+    record_faults(f"collectives-{mode}-{backend}-2-rank{failing}", results)
     for rank, records in enumerate(results):
         for record in records:
             name, n, before = record["fault"]
@@ -375,7 +290,7 @@ def test_seeded_fault_soak(backend: str, per_rank: bool) -> None:
     server mode (FSDP1), every rank raising within seconds each time, engines old-or-new, every retry exact."""
     results = run_distributed(soak_scenario, backend, per_rank, SOAK_SEED)
     mode = "colocate" if per_rank else "server"
-    _record(f"collectives-soak-{mode}-{backend}-2", [r["records"] for r in results])
+    record_faults(f"collectives-soak-{mode}-{backend}-2", [r["records"] for r in results])
     # NOTE: `adapter.pieces` is an adapter sync's exchange, which a sparse sync never calls: it is faulted (and
     # recorded into the same table) by tests/dist/test_adapter_faults.py.
     declared = set(COLLECTIVES) - {"adapter.pieces"}

@@ -4,7 +4,8 @@ ranks under FSDP1 or FSDP2 through `accelerate launch`.
 
 After every sync, every server weight equals the trainer's full weight bit for bit (the server's own digests) and its
 logprobs equal the trainer's model's; the server's weight version names the trainer's `model_version`, which the
-rollout worker was told; the server was paused only around the write. A sync that fails on one rank fails on every
+rollout worker was told; the server was paused only around the write (its own `/is_paused`, polled from outside
+the library during every sync, against when the data moved). A sync that fails on one rank fails on every
 rank with a `SyncError`, leaves `model_version` and the server's generation as they were, and the next sync is
 complete and exact. The stock trainer (TRL's own sync, a gloo stand-in for its NCCL client) is recorded as it
 behaves: FSDP1 sends each rank's flat shard and leaves the server paused; FSDP2 reaches the server, unversioned.
@@ -71,15 +72,31 @@ def _assert_exact_every_sync(result: LaunchResult, backend: str, syncs: int) -> 
         reports = [s for s in r["syncs"] if s["ok"]]
         assert reports[0]["complete"] and all(s["writer"] == "server:gloo" for s in reports)
     main = ranks[0]
-    # Paused only around the write: every sync paused the server once, and the write is inside the pause.
+    # Paused only around the write, as the writer timed it: every sync paused the server once, the write inside it.
     pauses = [p for p in main["pauses"] if p is not None]
     assert len(pauses) == syncs, main["pauses"]
     assert all(0 < write <= paused for paused, write in pauses), pauses
+    _assert_paused_only_for_the_write(main["pause_watch"], syncs)
     # Rollouts carry the policy version they were generated with: never newer than the trainer's, never older than
     # the trainer's staleness bound, and from the first synced version on (the worker starts after the first sync).
     assert main["rollout_versions"], "the trainer consumed no rollout"
     assert all(1 <= sample <= now and now - sample <= 4 for sample, now in main["rollout_versions"])
     return ranks
+
+
+def _assert_paused_only_for_the_write(watched: list[dict], syncs: int) -> None:
+    """As the server said it (`GET /is_paused`, polled from outside the library through every sync; see
+    `fsdp_sync._demo.pause_watch`): never paused while the sender's all-gathers or broadcasts to the server ran, and
+    paused after them (the write). A writer that fell back to pausing over the send fails here."""
+    assert len(watched) == syncs, watched
+    for i, w in enumerate(watched, start=1):
+        print(f"sync {i}: the server as polled: {w}")
+        assert w["windows"] > 0, f"sync {i}: no data moved by the sender: {w}"
+        assert w["paused_before_data_end"] == 0 and w["paused_during_data"] == 0, (
+            f"sync {i}: the server was paused before the sender's data had moved: {w}"
+        )
+        assert w["during_data"] > 0, f"sync {i}: no poll answered while the data moved (the check saw nothing): {w}"
+        assert w["paused"] > 0, f"sync {i}: the server was never seen paused for the write: {w}"
 
 
 def test_async_grpo_fsdp2_with_a_failed_sync(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ def test_adapter_tensor_names_drop_the_adapter_name_and_keep_the_peft_root() -> 
 def _config(**changes: object) -> dict:
     from peft import LoraConfig
 
-    return {**LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]).to_dict(), **changes}
+    return {**LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj", "v_proj"]).to_dict(), **changes}
 
 
 def test_a_plain_lora_adapter_is_servable() -> None:
@@ -53,7 +53,8 @@ def test_the_peft_config_of_a_model_as_a_plain_dict() -> None:
 
     config = AutoConfig.for_model("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=1)
-    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj"]))
+    lora = LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj"])
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), lora)
     name, plain = peft_adapter_config(model)
     assert name == "default" and plain["r"] == 4 and plain["target_modules"] == ["q_proj"]
     assert plain["peft_type"] == "LORA"
@@ -199,7 +200,8 @@ def _tiny_peft(**lora: object) -> torch.nn.Module:
 
     config = AutoConfig.for_model("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=1)
-    return get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj"], **lora))
+    adapter = LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj"], **lora)
+    return get_peft_model(AutoModelForCausalLM.from_config(config), adapter)
 
 
 def test_adapter_syncs_by_default_where_the_engine_serves_the_adapter_else_merged_with_the_reason(caplog) -> None:

@@ -114,7 +114,7 @@ def test_a_dora_adapter_raises_unsupported_adapter_error_from_an_agreed_stage(tm
 
     directory = build_tiny_checkpoint(tmp_path, "qwen2")
     base = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], use_dora=True))
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj", "v_proj"], use_dora=True))
     with pytest.raises(fsdp_sync.UnsupportedAdapterError) as err:
         agreed(
             Coordinator(30.0),

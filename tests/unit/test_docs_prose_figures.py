@@ -6,11 +6,18 @@ Outside generated blocks (`<!-- NAME:begin ... -->` ... `<!-- NAME:end -->`, eac
 its own test) and tables quoted verbatim from a results file (tests/unit/test_docs_figures.py), every such figure
 must come from a results file the text names: `benchmarks/results/NAME.md` in the same paragraph, list item or row,
 or an invisible `<!-- figures: NAME.md ... -->` line that names the sources of everything below it up to the next
-heading. Each figure must be one of its sources' numbers, as written there or rounded to the digits shown (a GB
-figure may be an MB cell over 1000), or a ratio (x) or a change (%) of two numbers written beside it in the same
-block that are themselves its sources' numbers ("8% slower (179 -> 193 ms)"); and the section must say the machine and the date each source was measured on
-(both read from the source's first lines). So a benchmark re-run that changes a number fails here until the prose
-is rewritten, and a sentence cannot restate a figure from a run the page does not name.
+heading. Each figure must be a number of a row the block describes, as written there or rounded to the digits shown
+(a GB figure may be an MB cell over 1000), or a ratio (x) or a change (%) of two numbers written beside it in the
+same block that are themselves numbers of rows it describes ("8% slower (179 -> 193 ms)"); and the section must say
+the machine and the date each source was measured on (both read from the source's first lines). So a benchmark
+re-run that changes a number fails here until the prose is rewritten, and a sentence cannot restate a figure from a
+run the page does not name.
+
+A row is a data row of one of the source's tables (never its header lines, which hold dates, machines, commits and
+rank counts, nor a table's column names), and its numbers are those of its value cells (a number with at most a
+unit; `r=16` or `qwen2-36m` name the row, they are not its figures). A block describes a row when it names one of
+the words that set the row apart in its table (`fsdp1`, `ours-flat`, `7b`, `1e-05`; words every row of the table
+shares do not count): a figure from the FSDP2 row of a sentence about FSDP1 only, or a digit of a date, fails.
 
 Targets and settings (`within 2x`, `16 MiB`) are not measurements: targets are written in target tables' first
 column (skipped) or in words; settings in MiB/GiB or in backticks.
@@ -53,6 +60,8 @@ class Block:
     text: str
     sources: tuple[str, ...]
     section: str
+    # What names the rows the figures come from: the text, and in a target table the target it is measured against.
+    context: str = ""
 
 
 def _visible(text: str) -> str:
@@ -81,13 +90,16 @@ def _blocks(page: Path) -> list[Block]:
     target_table = False
     current: list[str] = []
     first = 0
+    target = ""
 
     def flush() -> None:
+        nonlocal target
         if current:
             text = "\n".join(current)
             named = tuple(NAMED.findall(text))
-            blocks.append(Block(page.name, first + 1, text, declared + named, section_of(first)))
+            blocks.append(Block(page.name, first + 1, text, declared + named, section_of(first), f"{target} {text}"))
             current.clear()
+        target = ""
 
     for i, line in enumerate(lines):
         if line.startswith("```"):
@@ -122,7 +134,7 @@ def _blocks(page: Path) -> list[Block]:
                 continue
             cells = line.strip("|").split("|")
             if target_table:
-                cells = cells[1:]  # the target itself
+                target, cells = cells[0], cells[1:]  # the target itself: not a figure, but it names the rows
             first = i
             current.append("|".join(cells))
             flush()
@@ -159,6 +171,66 @@ def _rounds_to(value: Decimal, shown: str, *, exact_digits: bool) -> bool:
         return False  # a figure more precise than its source is not its source's
     quantum = Decimal(1).scaleb(-digits)
     return any(value.quantize(quantum, rounding=r) == Decimal(shown) for r in (ROUND_HALF_UP, ROUND_HALF_EVEN))
+
+
+@dataclass(frozen=True)
+class Row:
+    """A data row of a results file's table: the numbers of its value cells, and the words that set it apart."""
+
+    source: str
+    numbers: frozenset[str]
+    words: frozenset[str]
+
+
+_UNITS = re.compile(r"\b(?:ms|us|s|min|MB|GB|GB/s|TB/s|MiB|GiB)\b|[x%]")
+
+
+def _normal(text: str) -> str:
+    """Lower case, exponents without leading zeros (`1e-05` and `1e-5` are one word)."""
+    return re.sub(r"(\d)e([-+])0*(\d)", r"\1e\2\3", text.lower())
+
+
+def _words(cell: str) -> set[str]:
+    """The words of a cell: tokens with a letter (`qwen2-36m` -> qwen2, 36m; `ours-flat` -> ours, flat, ours-flat;
+    `1e-05` -> 1e-5)."""
+    text = _normal(cell)
+    tokens = set(re.findall(r"\d+(?:\.\d+)?e[-+]\d+|[a-z0-9_]+(?:-[a-z][a-z0-9_]*)*", text))
+    tokens |= {part for t in tokens for part in t.split("-")}
+    return {t for t in tokens if re.search("[a-z]", t) and len(t) > 1}
+
+
+def _rows(source: str) -> list[Row]:
+    """Every data row of `source`'s tables (a table's first row, its column names, skipped)."""
+    lines = (RESULTS / source).read_text().splitlines()
+    tables: list[list[list[str]]] = []
+    previous_is_row = False
+    for i, line in enumerate(lines):
+        is_row = line.startswith("|")
+        if is_row and not set(line) <= set("|-: "):
+            following = lines[i + 1] if i + 1 < len(lines) else ""
+            is_header = following.startswith("|") and set(following) <= set("|-: ")
+            if not previous_is_row or is_header:
+                tables.append([])
+            if not is_header:
+                tables[-1].append([c.strip() for c in line.strip().strip("|").split("|")])
+        previous_is_row = is_row
+    rows = []
+    for table in tables:
+        keyed = []
+        for cells in table:
+            values = [c for c in cells if not re.search("[A-Za-z]", _UNITS.sub("", c))]
+            keys = [c for c in cells if c not in values]
+            keyed.append(({n for c in values for n in NUMBER.findall(c)}, set().union(*map(_words, keys))))
+        shared = set.intersection(*(words for _, words in keyed)) if len(keyed) > 1 else set()
+        rows += [Row(source, frozenset(n), frozenset(w - shared or w)) for n, w in keyed]
+    return rows
+
+
+def _described(text: str, row: Row) -> bool:
+    """The block names one of the words that set the row apart (as a word's start: `extract` in "extraction"; in
+    code spans too, where rows are often named, but not in the names of results files)."""
+    said = _normal(NAMED.sub("", re.sub(r"<!--.*?-->", "", text)))
+    return any(re.search(rf"(?<![a-z0-9]){re.escape(w)}", said) for w in row.words)
 
 
 def _matches(shown: str, unit: str, numbers: set[str], beside: list[str]) -> bool:
@@ -206,7 +278,8 @@ def test_a_figure_is_its_sources_number(block: Block) -> None:
     )
     missing = [s for s in block.sources if not (RESULTS / s).is_file()]
     assert not missing, f"{where}: names {missing}, which are not in benchmarks/results/"
-    numbers = {n for s in block.sources for n in NUMBER.findall((RESULTS / s).read_text())}
+    # The numbers of the rows this block describes, not of the whole file (dates, commits, other rows).
+    numbers = {n for s in block.sources for row in _rows(s) if _described(block.context, row) for n in row.numbers}
     figures = _figures(block.text)
     # The numbers written in the block: what a ratio or a change may be made of (each checked above or below).
     beside = NUMBER.findall(_visible(block.text))
@@ -214,8 +287,8 @@ def test_a_figure_is_its_sources_number(block: Block) -> None:
         f for f in figures if not _matches(re.match(r"[\d.]+", f).group(), f.lstrip("0123456789."), numbers, beside)
     ]
     assert not wrong, (
-        f"{where}: {wrong} are not numbers of {list(block.sources)} (re-run drifted? rewrite the sentence from the "
-        f"results file); text: {block.text[:300]!r}"
+        f"{where}: {wrong} are not numbers of the rows of {list(block.sources)} this text names (re-run drifted? a "
+        f"figure of another row? rewrite the sentence from the results file); text: {block.text[:300]!r}"
     )
     section = _visible(block.section)
     for source in block.sources:

@@ -82,11 +82,12 @@ def _dist_aliases(tree: ast.Module) -> tuple[set[str], dict[str, str]]:
     return modules, functions
 
 
-def distributed_calls() -> list[tuple[str, int, str, bool]]:
-    """Every reference to a torch.distributed function and every call of a collective method in `fsdp_sync/`:
-    (module, line, name, whether it is the collective `fsdp_sync.distributed.collective` is given)."""
+def distributed_calls(package: Path = PACKAGE) -> list[tuple[str, int, str, bool]]:
+    """Every reference to a torch.distributed function and every call of a collective method in the modules under
+    `package` (`fsdp_sync/`): (module, line, name, whether it is the collective `fsdp_sync.distributed.collective`
+    is given)."""
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         tree = ast.parse(path.read_text())
         modules, functions = _dist_aliases(tree)
         guarded: set[int] = set()
@@ -94,7 +95,7 @@ def distributed_calls() -> list[tuple[str, int, str, bool]]:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "collective":
                 if len(node.args) >= 2:
                     guarded.add(id(node.args[1]))
-        module = str(path.relative_to(PACKAGE))
+        module = str(path.relative_to(package))
         for node in ast.walk(tree):
             name = None
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
@@ -138,8 +139,11 @@ def test_every_declared_collective_is_called_and_every_call_is_declared() -> Non
     assert names == set(COLLECTIVES), (sorted(set(COLLECTIVES) - names), sorted(names - set(COLLECTIVES)))
 
 
-def test_a_bypass_is_found() -> None:
-    """The scan sees a direct call, an aliased import and a method collective (so it cannot pass by seeing none)."""
+def test_a_bypass_is_found(tmp_path: Path) -> None:
+    """The scan sees a direct call, an aliased import and a method collective (so it cannot pass by seeing none).
+
+    NOTE: the probe module is scanned in a temporary directory, never written into `fsdp_sync/`: a checkout may be
+    read-only, and a test that walks the package at the same time (the layering test) would see it."""
     source = (
         "import torch.distributed as d\nfrom torch.distributed import all_reduce as ar\n"
         "def f(t, g, m):\n    d.all_gather_into_tensor(t, t)\n    ar(t)\n    m.unshard()\n"
@@ -148,11 +152,8 @@ def test_a_bypass_is_found() -> None:
     tree = ast.parse(source)
     modules, functions = _dist_aliases(tree)
     assert modules == {"d"} and functions == {"ar": "all_reduce"}
-    probe = PACKAGE / "_probe_for_test_guarded_collectives.py"
+    probe = tmp_path / "probe.py"
     probe.write_text(source)
-    try:
-        calls = [(n, guarded) for m, _, n, guarded in distributed_calls() if m == probe.name]
-    finally:
-        probe.unlink()
+    calls = [(n, guarded) for m, _, n, guarded in distributed_calls(tmp_path) if m == probe.name]
     assert sorted(calls) == [("all_gather_into_tensor", False), ("all_reduce", False), ("broadcast", True),
                              ("unshard", False)], calls  # fmt: skip

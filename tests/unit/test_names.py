@@ -316,7 +316,7 @@ def qwen2_lora(qwen2_dir: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(qwen2_dir))
-    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj", "v_proj"]))
 
 
 def _checkpoint_names(directory: Path) -> list[str]:

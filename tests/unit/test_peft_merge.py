@@ -34,12 +34,16 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _lora(
     checkpoint: Path, *, dtype: torch.dtype = torch.float32, lora_b_std: float = 0.05, seed: int = 0, **config: object
 ) -> nn.Module:
-    """A PEFT LoRA model (r=4 on q_proj, v_proj unless overridden) whose lora_B weights are random (not PEFT's zeros)."""
+    """A PEFT LoRA model (r=4, alpha=6 on q_proj, v_proj unless overridden) whose lora_B weights are random (not PEFT's
+    zeros).
+
+    NOTE: alpha/r = 1.5, not a power of two: multiplying by a power of two is exact, so with alpha/r = 2 a merge that
+    scales `lora_B` before the product, or rounds the scaled delta once more, equals PEFT's bit for bit."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype)
-    options: dict[str, object] = {"r": 4, "target_modules": ["q_proj", "v_proj"], **config}
+    options: dict[str, object] = {"r": 4, "lora_alpha": 6, "target_modules": ["q_proj", "v_proj"], **config}
     model = get_peft_model(base, LoraConfig(**options))
     _randomize_lora_b(model, seed=seed, std=lora_b_std)
     return model
@@ -94,9 +98,15 @@ def test_names_are_every_layer_q_and_v_projection(qwen2_dir: Path) -> None:
     assert merge.names == QV_WEIGHTS
 
 
-def test_apply_equals_peft_merge_and_unload_bit_for_bit(qwen2_dir: Path) -> None:
-    """For every target, apply(name, base weight) equals the weight PEFT's merge_and_unload() produces."""
-    model = _lora(qwen2_dir)
+@pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
+def test_apply_equals_peft_merge_and_unload_bit_for_bit(qwen2_dir: Path, rslora: bool) -> None:
+    """For every target, apply(name, base weight) equals the weight PEFT's merge_and_unload() produces; with rsLoRA
+    too (scaling alpha/sqrt(r) = 3)."""
+    model = _lora(qwen2_dir, use_rslora=rslora)
+    from peft.tuners.lora import LoraLayer
+
+    scalings = {m.scaling["default"] for m in model.modules() if isinstance(m, LoraLayer)}
+    assert scalings == {3.0 if rslora else 1.5}, scalings
     merge, rules = _merge(model)
     reference = _peft_merged(model)
     bases = _base_weights(model, rules)
@@ -113,7 +123,7 @@ def test_adapter_weights_are_found_by_name_however_the_model_is_wrapped(qwen2_di
     from peft import LoraConfig
 
     model = _lora(qwen2_dir)
-    model.add_adapter("b", LoraConfig(r=4, target_modules=["q_proj"]))
+    model.add_adapter("b", LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj"]))
     merge, _ = _merge(model)
     q0 = "model.layers.0.self_attn.q_proj.weight"
     wrapped = {
@@ -231,7 +241,7 @@ def test_two_active_adapters_both_added_like_peft(qwen2_dir: Path) -> None:
     from peft import LoraConfig
 
     model = _lora(qwen2_dir)
-    model.add_adapter("b", LoraConfig(r=4, target_modules=["q_proj"]))
+    model.add_adapter("b", LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj"]))
     _randomize_lora_b(model, seed=1)
     model.base_model.set_adapter(["default", "b"])
     merge, rules = _merge(model)
@@ -252,7 +262,7 @@ def test_inactive_second_adapter_is_ignored(qwen2_dir: Path) -> None:
     from peft import LoraConfig
 
     model = _lora(qwen2_dir)
-    model.add_adapter("b", LoraConfig(r=4, target_modules=["q_proj"]))
+    model.add_adapter("b", LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj"]))
     _randomize_lora_b(model, seed=1)
     merge, rules = _merge(model)
     reference = _peft_merged(model)

@@ -304,7 +304,9 @@ def test_peft_lora_plan_matches_checkpoint(saved: Saved) -> None:
     """A LoRA-wrapped VLM plans the base weights under the checkpoint names and drops exactly the adapter weights."""
     peft = pytest.importorskip("peft")
 
-    model = peft.get_peft_model(_load(saved.directory), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    model = peft.get_peft_model(
+        _load(saved.directory), peft.LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj", "v_proj"])
+    )
     lora = {n for n, _ in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
     assert lora  # adapters were injected
 
