@@ -178,8 +178,18 @@ def adapter_gpu_worker(rank: int, world_size: int, model_name: str, reps: int) -
     return rows
 
 
-def _measure(wrapped: torch.nn.Module, writer: LoRABuffersWriter, backend: str, targets: str, model_name: str,
-             reps: int, rank: int, world_size: int, device: torch.device, rate: float | None) -> list[dict[str, Any]]:  # fmt: skip
+def _measure(
+    wrapped: torch.nn.Module,
+    writer: LoRABuffersWriter,
+    backend: str,
+    targets: str,
+    model_name: str,
+    reps: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    rate: float | None,
+) -> list[dict[str, Any]]:
     """The three methods on one wrapped PEFT model and engine, interleaved over `reps` repetitions."""
     from fsdp_sync.assemble import build_sync
     from fsdp_sync.config import SyncConfig
@@ -255,7 +265,9 @@ def _split(full: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], d
     return lora, base
 
 
-def _merged(base: Mapping[str, torch.Tensor], lora: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+def _merged(
+    base: Mapping[str, torch.Tensor], lora: Mapping[str, torch.Tensor], scaling: float
+) -> dict[str, torch.Tensor]:
     """PEFT's merge of every adapted weight (`weight += (lora_B @ lora_A) * scaling`, in the weight's dtype)."""
     out = dict(base)
     for key in lora:
@@ -283,8 +295,8 @@ def adapter_gpu_table(rows: list[dict[str, Any]]) -> str:
     ]
     for model, backend, targets in keys:
         def med(method: str, field: str = "seconds") -> float:
-            return statistics.median(r[field] for r in timed
-                                     if (r["model"], r["backend"], r["method"]) == (model, backend, f"{targets}/{method}"))  # fmt: skip
+            key = (model, backend, f"{targets}/{method}")
+            return statistics.median(r[field] for r in timed if (r["model"], r["backend"], r["method"]) == key)
 
         complete, delta, adapter = (med(m) for m in ("merged-complete", "merged-delta", "adapter"))
         cbytes, dbytes, abytes = (med(m, "bytes") for m in ("merged-complete", "merged-delta", "adapter"))

@@ -179,7 +179,8 @@ def _adapter_buffers(args: argparse.Namespace) -> None:
                                          backend="nccl" if gpu else "gloo"):  # fmt: skip
             rows.extend(rank_rows)
     device = torch.cuda.get_device_name(0) if gpu else f"{platform.machine()} CPU, {os.cpu_count()} cores"
-    machine = f"{device}, {world} rank(s), engine-layout buffers and LoRA slots (batched copies), torch {torch.__version__}"
+    engine = "engine-layout buffers and LoRA slots (batched copies)"
+    machine = f"{device}, {world} rank(s), {engine}, torch {torch.__version__}"
     # NOTE: a run on CPU ranks (a smoke test) never replaces the GPU table.
     _save(args.results, "adapter-gpu" if gpu else "adapter-buffers-cpu", machine, rows, adapter_gpu_table)
 

@@ -14,9 +14,10 @@ range of the scratch's overflow region with one atomic), and into the snapshot; 
 chunk's changes to their place in chunk order as indices into the full tensor (GROUP chunks a program), so each
 piece's changes come out ascending, exactly as the torch path gives them. The overflow region holds what the last
 call needed plus a quarter; a call that needs more finishes the chunks that did not fit in a second launch (they
-wrote nothing, not even the snapshot). The slots cost 4 bytes an entry (6 from float32 pieces): a sixteenth of the
-elements, about a quarter of a byte an element, held while a call runs. The table of the pieces' addresses and the chunk-to-piece map are built once and kept while the pieces do
-not move; one read of a few integers per piece comes back to the host, through pinned memory, once per call.
+wrote nothing, not even the snapshot). The slots cost 4 bytes an entry (6 from float32 pieces) for a sixteenth of the
+elements, about a quarter of a byte an element, held while a call runs. The table of the pieces' addresses and the
+chunk-to-piece map are built once and kept while the pieces do not move; one read of a few integers per piece comes
+back to the host, through pinned memory, once per call.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ __all__ = ["Extractor", "Kind", "kind_of"]
 # Elements per program: one chunk is read once and held in registers while its changes are counted and compacted.
 # NOTE: chosen by `python -m benchmarks.run kernels --sweep` on one H100
 # (benchmarks/results/kernels-h100-2026-12-06.md): at 7B shapes 1024 elements and 4 warps ran at 2.91x the floor,
-# 4096 and 8 at 3.77x, 512 and 2 at 3.31x.
+# 4096 and 8 at 3.77x, 512 and 2 at 3.31x; with the slots, the same sweep (benchmarks/results/kernels.md) kept it:
+# 2.58x, against 2.63-3.19x for the other shapes.
 CHUNK = 1024
 _WARPS = 4
 # Chunks per program of the compaction, and changes of each chunk copied at a time.
@@ -156,7 +158,8 @@ class Extractor:
         else:
             ends = torch.zeros(count, dtype=torch.int64, device=device)
             changes = torch.zeros(1, dtype=torch.int64, device=device)
-        reserved, piece_ends, nans, changed = (t.tolist() for t in self._readback.read(cursor, ends, piece_nan, changes))
+        read = self._readback.read(cursor, ends, piece_nan, changes)
+        reserved, piece_ends, nans, changed = (t.tolist() for t in read)
         overflow, total = reserved[0], changed[0]
         if overflow > capacity:
             # The chunks that did not fit wrote nothing: finish them where they reserved, in a scratch of the size.
