@@ -114,14 +114,17 @@ def diff_kernel(
         snapshot, old, new, nan = _read(table, count, k, offsets, inside, nan_bits, MODE, NAN_ABOVE, False)
     changed = (new != old) & inside
     flags = changed.to(tl.int32)
-    c = tl.sum(flags, axis=0)
+    # NOTE: one reduction for two counts, the changes (low 16 bits; CHUNK <= 2**14) and the changed NaNs (above):
+    # each reduction is a round through shared memory between this program's loads and its stores.
+    both = tl.sum(flags + ((nan & changed).to(tl.int32) << 16), axis=0)
+    c = both & 0xFFFF
     if RESERVED:
         base = -tl.load(chunk_base + chunk) - 1
     else:
         tl.store(chunk_counts + chunk, c)
         tl.store(chunk_first + chunk, tl.load(table + 4 * count + k) + local)
         # A NaN among the changes: vLLM's patch loader reads NaN as "unchanged", so the tensor goes whole.
-        if tl.max((nan & changed).to(tl.int32), axis=0) > 0:
+        if (both >> 16) > 0:
             tl.atomic_max(piece_nan + k, 1)
         base = chunk * SLOT
         if c > SLOT:
