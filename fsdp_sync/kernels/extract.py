@@ -35,8 +35,8 @@ __all__ = ["Extractor", "Kind", "kind_of"]
 # Elements per program: one chunk is read once and held in registers while its changes are counted and compacted.
 # NOTE: chosen by `python -m benchmarks.run kernels --sweep` on one H100
 # (benchmarks/results/kernels-h100-2026-12-06.md): at 7B shapes 1024 elements and 4 warps ran at 2.91x the floor,
-# 4096 and 8 at 3.77x, 512 and 2 at 3.31x; with the slots, the same sweep (benchmarks/results/kernels.md) kept it:
-# 2.58x, against 2.63-3.19x for the other shapes.
+# 4096 and 8 at 3.77x, 512 and 2 at 3.31x; with the slots, the same sweep kept it: 2.58x, against 2.63-3.19x for
+# the other shapes (benchmarks/results/kernels-d597aa5-h100-2026-12-06.md).
 CHUNK = 1024
 _WARPS = 4
 # Chunks per program of the compaction, and changes of each chunk copied at a time.
