@@ -41,3 +41,28 @@ def test_a_gpu_benchmark_part_runs_on_a_cpu_rank(part: list[str], kind: str, tmp
     exact = [row["exact"] for row in rows if "exact" in row]
     assert all(not names for per_method in exact for names in per_method.values()), exact
     assert kind != "adapter-buffers-cpu" or len(exact) == 4, exact
+
+
+def test_the_adapter_parts_check_names_a_lora_slot_that_differs() -> None:
+    """The LoRA slots of the GPU engine stand-in hold lora_A and scaling x lora_B as loaded, bit for bit, and its
+    check names a module whose slot differs in one element (so the `exact` column cannot pass without the sync)."""
+    import torch
+
+    from benchmarks.adapter_gpu import LoRABuffersWriter
+    from fsdp_sync.compat.lora_api import Adapter
+    from fsdp_sync.compat.manifest import TensorSpec
+
+    specs = {f"model.layers.0.self_attn.{m}.weight": TensorSpec((o, 32), torch.bfloat16)
+             for m, o in (("q_proj", 32), ("k_proj", 16), ("v_proj", 16), ("o_proj", 32))}  # fmt: skip
+    writer = LoRABuffersWriter(specs, dtype=torch.bfloat16, device=torch.device("cpu"), checkpoint="unused")
+    generator = torch.Generator().manual_seed(0)
+    full = {}
+    for module, out in (("model.layers.0.self_attn.q_proj", 32), ("model.layers.0.self_attn.v_proj", 16)):
+        full[f"{module}.lora_A"] = torch.randn(8, 32, generator=generator).to(torch.bfloat16)
+        full[f"{module}.lora_B"] = torch.randn(out, 8, generator=generator).to(torch.bfloat16)
+    tensors = {f"base_model.model.{key}.weight": value for key, value in full.items()}
+    writer.load_adapter(Adapter(1, "a-v1", tensors, {"r": 8, "lora_alpha": 16}))
+    assert writer.adapter_mismatches(full, scaling=2.0) == []
+    assert not writer.lora_a["model.layers.0.self_attn.k_proj"].any()  # not targeted: zero, as vLLM serves it
+    writer.lora_b["model.layers.0.self_attn.v_proj"][3, 5] += 1
+    assert writer.adapter_mismatches(full, scaling=2.0) == ["model.layers.0.self_attn.v_proj"]
