@@ -108,8 +108,8 @@ class LoRABuffersWriter(FusedBuffersWriter):
 
     def adapter_mismatches(self, full: Mapping[str, torch.Tensor], scaling: float) -> list[str]:
         """LoRA modules whose slots differ in any bit from the trainer's full `lora_A` and scaling x `lora_B`
-        (`full`: checkpoint module name -> (lora_A, lora_B) under `.lora_A` / `.lora_B` keys)."""
-        bad = []
+        (`full`: checkpoint module name + `.lora_A` / `.lora_B` -> weight), or, where not targeted, are not zero."""
+        bad = [m for m in self.lora_a.keys() - self._targeted if self.lora_a[m].any() or self.lora_b[m].any()]
         for module in self._targeted:
             a, b = full[f"{module}.lora_A"], full[f"{module}.lora_B"]
             r = a.shape[0]

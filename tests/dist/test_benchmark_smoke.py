@@ -65,4 +65,6 @@ def test_the_adapter_parts_check_names_a_lora_slot_that_differs() -> None:
     assert writer.adapter_mismatches(full, scaling=2.0) == []
     assert not writer.lora_a["model.layers.0.self_attn.k_proj"].any()  # not targeted: zero, as vLLM serves it
     writer.lora_b["model.layers.0.self_attn.v_proj"][3, 5] += 1
-    assert writer.adapter_mismatches(full, scaling=2.0) == ["model.layers.0.self_attn.v_proj"]
+    writer.lora_a["model.layers.0.self_attn.o_proj"][0, 0] = 1
+    assert writer.adapter_mismatches(full, scaling=2.0) == ["model.layers.0.self_attn.o_proj",
+                                                            "model.layers.0.self_attn.v_proj"]  # fmt: skip
