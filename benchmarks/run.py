@@ -3,7 +3,8 @@
     python -m benchmarks.run cpu [--reps 5] [--models qwen2-36m,qwen2-150m]
     python -m benchmarks.run server [--reps 5] [--models qwen2-36m,qwen2-150m]   (starts a vLLM CPU server per model)
     python -m benchmarks.run safety [--reps 5] [--models qwen2-36m,qwen2-150m]   (cost of check_finite and verify)
-    python -m benchmarks.run adapter [--reps 5] [--models ...]   (adapter syncs vs merged complete and delta)
+    python -m benchmarks.run adapter [--reps 5] [--models ...] [--engine cpu|buffers]   (adapter syncs vs merged
+        complete and delta; `buffers`: the GPU engine stand-in with LoRA slots, e.g. `--models qwen2-7b`)
     python -m benchmarks.run delta [--reps 5] [--models ...] [--engine cpu|buffers] [--copies loop|batched|graph]
         (delta vs complete vs TRL LoRA)
     python -m benchmarks.run sparse [--reps 6] [--models ...]   (bf16 elements changed per Adam step; sparse vs dense)
@@ -12,7 +13,8 @@
         ranks, e.g. `--models qwen2-layout --world-size 1`, it writes gpu-cpu.*: the host work alone)
     python -m benchmarks.run kernels [--reps 5] [--models qwen2-7b] [--sources bfloat16,float32] [--sweep]   (the check
         and sparse extraction alone, against their floors; on CPU ranks only under TRITON_INTERPRET=1, tiny shapes)
-    python -m benchmarks.run gpu-suite   (what a GPU session runs: gpu --check, delta --engine buffers, kernels)
+    python -m benchmarks.run gpu-suite   (what a GPU session runs: gpu --check, delta --engine buffers, kernels,
+        adapter --engine buffers)
     python -m benchmarks.run async [--models qwen2-36m] [--steps 4] [--rounds 2]   (TRL's AsyncGRPOTrainer on a vLLM CPU
         server: each sync and the server's pause, the mixin against TRL's own sync)
     python -m benchmarks.run report [--results benchmarks/results]
@@ -146,6 +148,9 @@ def _adapter(args: argparse.Namespace) -> None:
     from .adapter import adapter_table, adapter_worker
     from .shapes import CPU_SHAPES
 
+    if args.engine == "buffers":
+        _adapter_buffers(args)
+        return
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
@@ -154,6 +159,30 @@ def _adapter(args: argparse.Namespace) -> None:
                 rows.extend(rank_rows)
     machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 rank(s), vLLM CPU engine (LoRA enabled) in each rank, torch {torch.__version__}"
     _save(args.results, "adapter-cpu", machine, rows, adapter_table)
+
+
+def _adapter_buffers(args: argparse.Namespace) -> None:
+    """Adapter syncs beside merged ones into the GPU engine stand-in (one process per visible GPU)."""
+    import os
+
+    import torch
+
+    from fsdp_sync._demo.dist import run_distributed
+
+    from .adapter_gpu import adapter_gpu_table, adapter_gpu_worker
+
+    gpu = torch.cuda.is_available()
+    world = args.world_size or (torch.cuda.device_count() if gpu else 1)
+    rows: list[dict] = []
+    for name in args.models.split(","):
+        for rank_rows in run_distributed(adapter_gpu_worker, name, args.reps, world_size=world,
+                                         backend="nccl" if gpu else "gloo"):  # fmt: skip
+            rows.extend(rank_rows)
+    device = torch.cuda.get_device_name(0) if gpu else f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    engine = "engine-layout buffers and LoRA slots (batched copies)"
+    machine = f"{device}, {world} rank(s), {engine}, torch {torch.__version__}"
+    # NOTE: a run on CPU ranks (a smoke test) never replaces the GPU table.
+    _save(args.results, "adapter-gpu" if gpu else "adapter-buffers-cpu", machine, rows, adapter_gpu_table)
 
 
 def _sparse(args: argparse.Namespace) -> None:
@@ -308,11 +337,12 @@ def _kernels(args: argparse.Namespace) -> None:
 
 
 def _gpu_suite(args: argparse.Namespace) -> None:
-    """The GPU figures of issue 29 in one command: each part as its own subcommand would run it."""
+    """The GPU figures (issues 29, 35 and 41) in one command: each part as its own subcommand would run it."""
     parts = [
         ["gpu", "--models", "qwen2-1.5b,qwen2-7b", "--check"],
         ["delta", "--engine", "buffers", "--models", "qwen2-1.5b,qwen2-7b"],
         ["kernels", "--models", "qwen2-7b,qwen2-1.5b"],
+        ["adapter", "--engine", "buffers", "--models", "qwen2-7b"],
     ]
     for part in parts:
         print(f"== python -m benchmarks.run {' '.join(part)} --reps {args.reps}", flush=True)
@@ -330,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     safety.add_argument("--models", default="qwen2-36m,qwen2-150m")
     adapter = sub.add_parser("adapter")
     adapter.add_argument("--models", default="qwen2-36m,qwen2-150m")
+    adapter.add_argument("--engine", choices=["cpu", "buffers"], default="cpu",
+                         help="the vLLM CPU engine in each rank, or the GPU engine stand-in (e.g. --models qwen2-7b)")
+    adapter.add_argument("--world-size", type=int, default=0)
     delta = sub.add_parser("delta")
     delta.add_argument("--models", default="qwen2-36m,qwen2-150m")
     delta.add_argument("--engine", choices=["cpu", "buffers"], default="cpu")

@@ -8,13 +8,16 @@ must move is the new values and the snapshot, each read once, and the few change
 bfloat16 shards (6 from float32 ones, cast on the way), plus a few bytes per change.
 
 How: `diff_kernel` (extract_triton.py) reads each chunk of CHUNK elements once, compares the bits (after the cast,
-where the piece is float32 and the snapshot bfloat16), and writes the chunk's changes, in order, as indices into the
-full tensor, into a range of a scratch buffer reserved with one atomic, and into the snapshot; `compact_kernel` then
-copies each chunk's range to its place in chunk order (GROUP chunks a program), so each piece's changes come out
-ascending, exactly as the torch path gives them. The scratch holds what the last call needed plus a quarter; a call
-that needs more finishes the chunks that did not fit in a second launch (they wrote nothing, not even the
-snapshot). The table of the pieces' addresses and the chunk-to-piece map are built once and kept while the pieces do
-not move; one read of a few integers per piece comes back to the host, through pinned memory, once per call.
+where the piece is float32 and the snapshot bfloat16), and writes the chunk's changes, in order, as places in the
+chunk, into the chunk's own slot of a scratch buffer (CHUNK / SLOT_SHARE entries; a chunk with more changes reserves a
+range of the scratch's overflow region with one atomic), and into the snapshot; `compact_kernel` then copies each
+chunk's changes to their place in chunk order as indices into the full tensor (GROUP chunks a program), so each
+piece's changes come out ascending, exactly as the torch path gives them. The overflow region holds what the last
+call needed plus a quarter; a call that needs more finishes the chunks that did not fit in a second launch (they
+wrote nothing, not even the snapshot). The slots cost 4 bytes an entry (6 from float32 pieces) for a sixteenth of the
+elements, about a quarter of a byte an element, held while a call runs. The table of the pieces' addresses and the
+chunk-to-piece map are built once and kept while the pieces do not move; one read of a few integers per piece comes
+back to the host, through pinned memory, once per call.
 """
 
 from __future__ import annotations
@@ -32,14 +35,19 @@ __all__ = ["Extractor", "Kind", "kind_of"]
 # Elements per program: one chunk is read once and held in registers while its changes are counted and compacted.
 # NOTE: chosen by `python -m benchmarks.run kernels --sweep` on one H100
 # (benchmarks/results/kernels-h100-2026-12-06.md): at 7B shapes 1024 elements and 4 warps ran at 2.91x the floor,
-# 4096 and 8 at 3.77x, 512 and 2 at 3.31x.
+# 4096 and 8 at 3.77x, 512 and 2 at 3.31x; with the slots, the same sweep kept it: 2.58x, against 2.63-3.19x for
+# the other shapes (benchmarks/results/kernels-d597aa5-h100-2026-12-06.md).
 CHUNK = 1024
 _WARPS = 4
 # Chunks per program of the compaction, and changes of each chunk copied at a time.
 _GROUP = 32
 _BLOCK = 32
-# The scratch of a first call: this share of the elements (more is finished in a second launch).
-_FIRST_SHARE = 64
+# Each chunk's slot: CHUNK // SLOT_SHARE changes (6.25% of its elements); a chunk with more takes the overflow region.
+# NOTE: the slots replaced one range per chunk reserved on a single atomic counter (issue 41): at 1-3% changed
+# almost no chunk overflows, so almost no program waits on an atomic.
+SLOT_SHARE = 16
+# The overflow region of a first call: this share of the elements (more is finished in a second launch).
+_FIRST_SHARE = 1024
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,8 @@ class Extractor:
     """
 
     def __init__(self, kind: Kind, *, chunk: int = CHUNK, warps: int = _WARPS) -> None:
+        if not SLOT_SHARE <= chunk <= 2**14:
+            raise ValueError(f"chunk {chunk}: between {SLOT_SHARE} and {2**14} elements (places in it are int16)")
         self.kind = kind
         self.chunk = chunk
         self.warps = warps
@@ -124,46 +134,53 @@ class Extractor:
         device = news[0].device
         plan = self._plan_of(news, snapshots, starts, device)
         numel = sum(n.numel() for n in news)
+        slot = self.chunk // SLOT_SHARE
+        slots = plan.chunks * slot
         capacity = max(self._capacity, numel // _FIRST_SHARE + self.chunk)
         bits_dtype = torch.int32 if self.kind.mode == 1 else torch.int16
         chunk_counts = torch.empty(plan.chunks, dtype=torch.int32, device=device)
         chunk_base = torch.empty(plan.chunks, dtype=torch.int64, device=device)
+        chunk_first = torch.empty(plan.chunks, dtype=torch.int64, device=device)
         piece_nan = torch.zeros(len(news), dtype=torch.int32, device=device)
         cursor = torch.zeros(1, dtype=torch.int64, device=device)
-        scratch_index = torch.empty(capacity, dtype=torch.int64, device=device)
-        scratch_bits = torch.empty(capacity, dtype=bits_dtype, device=device)
+        scratch_offset = torch.empty(slots + capacity, dtype=torch.int16, device=device)
+        scratch_bits = torch.empty(slots + capacity, dtype=bits_dtype, device=device)
         count, kind = len(news), self.kind
-        launch = dict(CHUNK=self.chunk, MODE=kind.mode, NAN_ABOVE=kind.nan_above, num_warps=self.warps)
+        launch = dict(CHUNK=self.chunk, SLOT=slot, MODE=kind.mode, NAN_ABOVE=kind.nan_above, num_warps=self.warps)
         if plan.chunks:
-            diff_kernel[(plan.chunks,)](plan.table, count, plan.chunk_row, cursor, chunk_counts, chunk_base, piece_nan,
-                                        cursor, scratch_index, scratch_bits, capacity, kind.nan_bits, RESERVED=False,
-                                        **launch)  # fmt: skip
+            diff_kernel[(plan.chunks,)](plan.table, count, plan.chunk_row, cursor, chunk_counts, chunk_base,
+                                        chunk_first, piece_nan, cursor, scratch_offset, scratch_bits, slots,
+                                        slots + capacity, kind.nan_bits, RESERVED=False, **launch)  # fmt: skip
         chunk_end = torch.cumsum(chunk_counts, 0)
         if plan.chunks:
             ends = torch.where(plan.last_chunk >= 0, chunk_end[plan.last_chunk.clamp(min=0)], 0)
+            changes = chunk_end[-1:]
         else:
             ends = torch.zeros(count, dtype=torch.int64, device=device)
-        reserved, piece_ends, nans = (t.tolist() for t in self._readback.read(cursor, ends, piece_nan))
-        total = reserved[0]
-        if total > capacity:
+            changes = torch.zeros(1, dtype=torch.int64, device=device)
+        read = self._readback.read(cursor, ends, piece_nan, changes)
+        reserved, piece_ends, nans, changed = (t.tolist() for t in read)
+        overflow, total = reserved[0], changed[0]
+        if overflow > capacity:
             # The chunks that did not fit wrote nothing: finish them where they reserved, in a scratch of the size.
             self.relaunched += 1
             ids = torch.nonzero(chunk_base < 0).reshape(-1)
-            wider_index = torch.empty(total, dtype=torch.int64, device=device)
-            wider_bits = torch.empty(total, dtype=bits_dtype, device=device)
-            wider_index[:capacity] = scratch_index
-            wider_bits[:capacity] = scratch_bits
-            scratch_index, scratch_bits = wider_index, wider_bits
-            diff_kernel[(ids.numel(),)](plan.table, count, plan.chunk_row, ids, chunk_counts, chunk_base, piece_nan,
-                                        cursor, scratch_index, scratch_bits, total, kind.nan_bits, RESERVED=True,
-                                        **launch)  # fmt: skip
-        self._capacity = total + total // 4 + self.chunk
+            wider_offset = torch.empty(slots + overflow, dtype=torch.int16, device=device)
+            wider_bits = torch.empty(slots + overflow, dtype=bits_dtype, device=device)
+            wider_offset[: slots + capacity] = scratch_offset
+            wider_bits[: slots + capacity] = scratch_bits
+            scratch_offset, scratch_bits = wider_offset, wider_bits
+            diff_kernel[(ids.numel(),)](plan.table, count, plan.chunk_row, ids, chunk_counts, chunk_base, chunk_first,
+                                        piece_nan, cursor, scratch_offset, scratch_bits, slots, slots + overflow,
+                                        kind.nan_bits, RESERVED=True, **launch)  # fmt: skip
+        self._capacity = overflow + overflow // 4 + self.chunk
         out_index = torch.empty(total, dtype=torch.int64, device=device)
         out_bits = torch.empty(total, dtype=bits_dtype, device=device)
         if total:
-            compact_kernel[(-(-plan.chunks // _GROUP),)](plan.chunks, chunk_counts, chunk_base, chunk_end,
-                                                         scratch_index, scratch_bits, out_index, out_bits,
-                                                         GROUP=_GROUP, BLOCK=_BLOCK, num_warps=4)  # fmt: skip
+            compact_kernel[(-(-plan.chunks // _GROUP),)](plan.chunks, chunk_counts, chunk_base, chunk_first,
+                                                         chunk_end, scratch_offset, scratch_bits, out_index,
+                                                         out_bits, GROUP=_GROUP, BLOCK=_BLOCK,
+                                                         num_warps=4)  # fmt: skip
         values = out_bits.view(snapshots[0].dtype)
         out: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         begin = 0

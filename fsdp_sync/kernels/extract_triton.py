@@ -67,13 +67,16 @@ def diff_kernel(
     ids,
     chunk_counts,
     chunk_base,
+    chunk_first,
     piece_nan,
     cursor,
-    scratch_index,
+    scratch_offset,
     scratch_bits,
-    capacity,
+    slots,
+    limit,
     nan_bits,
     CHUNK: tl.constexpr,
+    SLOT: tl.constexpr,
     MODE: tl.constexpr,
     NAN_ABOVE: tl.constexpr,
     RESERVED: tl.constexpr,
@@ -81,14 +84,16 @@ def diff_kernel(
     """One chunk per program, read once: compare, count, and (where the scratch holds it) compact the changes and
     write them into the snapshot.
 
-    The changes of a chunk go to `scratch_index` (their index in the full tensor) and `scratch_bits` (new bits) at a
-    range reserved with one atomic on `cursor`, in order within the range; ranges of different chunks come in any
-    order (`compact_kernel` puts them in chunk order). `chunk_base` keeps where the range starts, or -(start + 1)
-    where it ends past `capacity`: that chunk then wrote nothing, not even the snapshot, and a second launch with
-    RESERVED (over the chunks in `ids`) writes it into a scratch large enough.
+    The changes of a chunk go to `scratch_offset` (their place in the chunk) and `scratch_bits` (new bits), in order:
+    into the chunk's own slot of SLOT entries (at chunk x SLOT) where they fit, else into a range of the overflow
+    region (from `slots` on) reserved with one atomic on `cursor`. `chunk_first` keeps the full-tensor index of the
+    chunk's first element and `chunk_base` where its changes start, or -(start + 1) where they would end past
+    `limit`: that chunk then wrote nothing, not even the snapshot, and a second launch with RESERVED (over the
+    chunks in `ids`) writes it into a scratch large enough.
 
-    NOTE: the row of a chunk is one load (`chunk_row`), not a binary search of the table (nine dependent loads a
-    program at 7B shapes; the compaction needs no row at all now).
+    NOTE: a slot of its own per chunk, not a range reserved on one counter for every chunk: the atomic's round trip
+    to memory sat between each program's loads and its stores, and every program waited on the same address. Only a
+    chunk with more than SLOT changes takes it. The row of a chunk is one load (`chunk_row`).
     """
     program = tl.program_id(0).to(tl.int64)
     if RESERVED:
@@ -98,7 +103,6 @@ def diff_kernel(
     k = tl.load(chunk_row + chunk).to(tl.int64)
     n = tl.load(table + 2 * count + k)
     local = (chunk - tl.load(table + 3 * count + k)) * CHUNK
-    first = tl.load(table + 4 * count + k) + local
     offsets = local + tl.arange(0, CHUNK)
     inside = offsets < n
     # NOTE: a whole chunk of a piece whose two addresses are 16-byte aligned (column 5) is read without a mask and
@@ -110,21 +114,25 @@ def diff_kernel(
         snapshot, old, new, nan = _read(table, count, k, offsets, inside, nan_bits, MODE, NAN_ABOVE, False)
     changed = (new != old) & inside
     flags = changed.to(tl.int32)
-    c = tl.sum(flags, axis=0)
+    # NOTE: one reduction for two counts, the changes (low 16 bits; CHUNK <= 2**14) and the changed NaNs (above):
+    # each reduction is a round through shared memory between this program's loads and its stores.
+    both = tl.sum(flags + ((nan & changed).to(tl.int32) << 16), axis=0)
+    c = both & 0xFFFF
     if RESERVED:
         base = -tl.load(chunk_base + chunk) - 1
     else:
         tl.store(chunk_counts + chunk, c)
+        tl.store(chunk_first + chunk, tl.load(table + 4 * count + k) + local)
         # A NaN among the changes: vLLM's patch loader reads NaN as "unchanged", so the tensor goes whole.
-        if tl.max((nan & changed).to(tl.int32), axis=0) > 0:
+        if (both >> 16) > 0:
             tl.atomic_max(piece_nan + k, 1)
-        base = c.to(tl.int64) * 0
-        if c > 0:
-            base = tl.atomic_add(cursor, c.to(tl.int64))
-    if base + c <= capacity:
+        base = chunk * SLOT
+        if c > SLOT:
+            base = slots + tl.atomic_add(cursor, c.to(tl.int64))
+    if base + c <= limit:
         if c > 0:
             at = base + tl.cumsum(flags, axis=0) - 1
-            tl.store(scratch_index + at, first + tl.arange(0, CHUNK).to(tl.int64), mask=changed)
+            tl.store(scratch_offset + at, tl.arange(0, CHUNK).to(tl.int16), mask=changed)
             if MODE == 1:
                 tl.store(scratch_bits + at, new, mask=changed)
                 tl.store(snapshot + offsets, new, mask=changed)
@@ -141,8 +149,9 @@ def compact_kernel(
     chunks,
     chunk_counts,
     chunk_base,
+    chunk_first,
     chunk_end,
-    scratch_index,
+    scratch_offset,
     scratch_bits,
     out_index,
     out_bits,
@@ -150,21 +159,24 @@ def compact_kernel(
     BLOCK: tl.constexpr,
 ):
     """GROUP chunks per program: each chunk's changes from its scratch range to their place in chunk order
-    (`chunk_end`: the inclusive prefix sum of `chunk_counts`), BLOCK of each chunk at a time.
+    (`chunk_end`: the inclusive prefix sum of `chunk_counts`), as full-tensor indices (the chunk's first index plus
+    the place in the chunk), BLOCK of each chunk at a time.
 
-    NOTE: a plain copy of ranges, no table: the extraction wrote full-tensor indices already. GROUP chunks a program
-    (not one) because most chunks hold a few dozen changes at 1-3% changed: one program each left the device idle.
+    NOTE: a plain copy of ranges, no table. GROUP chunks a program (not one) because most chunks hold a few dozen
+    changes at 1-3% changed: one program each left the device idle.
     """
     group = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
     real = group < chunks
     c = tl.load(chunk_counts + group, mask=real, other=0).to(tl.int64)
     base = tl.load(chunk_base + group, mask=real, other=0)
+    first = tl.load(chunk_first + group, mask=real, other=0)
     to = tl.load(chunk_end + group, mask=real, other=0) - c
     most = tl.max(c, axis=0)
     for start in range(0, most, BLOCK):
         j = start + tl.arange(0, BLOCK).to(tl.int64)
         some = j[None, :] < c[:, None]
-        index = tl.load(scratch_index + base[:, None] + j[None, :], mask=some, other=0)
+        offset = tl.load(scratch_offset + base[:, None] + j[None, :], mask=some, other=0)
+        index = first[:, None] + offset.to(tl.int64)
         bits = tl.load(scratch_bits + base[:, None] + j[None, :], mask=some, other=0)
         tl.store(out_index + to[:, None] + j[None, :], index, mask=some)
         tl.store(out_bits + to[:, None] + j[None, :], bits, mask=some)
