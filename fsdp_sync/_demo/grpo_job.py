@@ -383,7 +383,7 @@ class AdapterChecker:
         state = get_model_state_dict(
             unwrap_outer(self.trainer.model_wrapped), options=StateDictOptions(full_state_dict=True)
         )
-        scaling = self.peft_config.lora_alpha / self.peft_config.r
+        scaling = adapter_scaling(self.peft_config)
         packed = packed_modules(handle.model)
         problems: list[str] = []
         compared = 0
@@ -469,6 +469,20 @@ def _adapter_targets(state: dict[str, Any], packed: dict[str, Any]) -> Any:
             if leaf in members:
                 engine_module, slot = f"{parent}.{fused}", list(members).index(leaf)
         yield key, value, kind, engine_module, slot
+
+
+def adapter_scaling(peft_config: Any) -> float:
+    """The scaling PEFT gives every adapted module of `peft_config` (`alpha / r`, rsLoRA `alpha / sqrt(r)`).
+
+    Raises:
+        ValueError: per-module ranks or alphas, where one scaling does not hold for every module.
+    """
+    import math
+
+    if getattr(peft_config, "rank_pattern", None) or getattr(peft_config, "alpha_pattern", None):
+        raise ValueError("the demo's adapter check takes one scaling; this config has per-module ranks or alphas")
+    root = math.sqrt(peft_config.r) if getattr(peft_config, "use_rslora", False) else peft_config.r
+    return peft_config.lora_alpha / root
 
 
 def torch_equal(a: Any, b: Any) -> bool:
@@ -653,7 +667,7 @@ class AdapterServerChecker(ServerChecker):
         state = get_model_state_dict(
             unwrap_outer(self.trainer.model_wrapped), options=StateDictOptions(full_state_dict=True)
         )
-        scaling = self.peft_config.lora_alpha / self.peft_config.r
+        scaling = adapter_scaling(self.peft_config)
         base_config = unwrap_outer(self.trainer.model_wrapped).get_base_model().config
         packed = packed_modules_for_architectures(list(base_config.architectures or []))
         problems: list[str] = []

@@ -122,7 +122,12 @@ def adapter_refusal(
     # NOTE: on every rank (a server's configuration is known to all), so that every rank decides alike.
     limits = writer.lora_limits()
     if limits is None:
-        return "the vLLM engine was started without LoRA (enable_lora=True; a server: --enable-lora)"
+        # NOTE: TRL builds a colocated engine with LoRA only when the trainer is given `peft_config=` (a model
+        # wrapped in PEFT beforehand gets an engine without it); users of TRL cannot pass `enable_lora` themselves.
+        return (
+            "the vLLM engine was started without LoRA (with TRL: pass `peft_config=` to the trainer instead of a "
+            "model wrapped in PEFT beforehand; your own `vllm.LLM`: enable_lora=True; a server: --enable-lora)"
+        )
     try:
         _, config = peft_adapter_config(model)
     except ValueError as e:
