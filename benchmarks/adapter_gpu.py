@@ -74,6 +74,9 @@ class LoRABuffersWriter(FusedBuffersWriter):
 
         return LoRALimits(MAX_RANK, frozenset(_LORA_MODULES), self.engine_dtype)
 
+    def adapter_transport_refusal(self) -> str | None:
+        return None  # in-process buffers: nothing to carry
+
     def base_checkpoint(self) -> str:
         return self.checkpoint
 
