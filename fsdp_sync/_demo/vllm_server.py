@@ -185,7 +185,9 @@ def server_shard_rules(
         return {worker: {name: {"dim": None} for name in digests} for worker, digests in workers.items()}
     answer = requests.post(f"{base_url}/collective_rpc", json={"method": SHARD_RULES_METHOD}, timeout=timeout)
     answer.raise_for_status()
-    return {worker["worker"]: worker["rules"] for worker in answer.json()["results"]}
+    # NOTE: a worker without vLLM's checksum prefix (vLLM 0.31 has no `/weight_checker`) is tagged by its place in
+    # the answer, as `server_worker_digests` tags the digests it read the same way (`worker<i>`).
+    return {worker["worker"] or f"worker{i}": worker["rules"] for i, worker in enumerate(answer.json()["results"])}
 
 
 def _unsharded(worker: str) -> bool:
