@@ -18,6 +18,7 @@ records what the server then holds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -128,15 +129,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         """A user's subclass: checks the server after each sync (what a callback of theirs could do)."""
 
         def _sync_weight(self) -> None:
-            if rank != 0:
-                self._sync_weight_watched()
-                return
-            # The sender's process: the server's own `/is_paused`, polled through the whole sync (retry included).
-            with PauseWatch(args.server_url) as watch:
-                self._sync_weight_watched()
-            record["pause_watch"].append(watch.summary())
+            self._sync_weight_checked()
 
-        def _sync_weight_watched(self) -> None:
+        def _attempt(self, faulted: str | None) -> None:
+            """One try of the library's sync. On the sender (rank 0) the server's own `/is_paused` is polled through
+            it: one window per try, so that a failed try's pause for its write is never counted against the data
+            its retry moves."""
+            watch = PauseWatch(args.server_url) if rank == 0 else contextlib.nullcontext()
+            ok = False
+            try:
+                with watch:
+                    if faulted is not None and rank == world - 1:
+                        with injecting(Injector(lambda point, context: point == faulted)):
+                            super()._sync_weight()
+                    else:
+                        super()._sync_weight()
+                ok = True
+            finally:
+                if rank == 0:
+                    record["pause_watch"].append({**watch.summary(), "ok": ok})
+
+        def _sync_weight_checked(self) -> None:
             import requests
 
             sync_index["n"] += 1
@@ -146,11 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             worker_before = _worker_version(self)
             started = time.perf_counter()
             try:
-                if faulted is not None and rank == world - 1:
-                    with injecting(Injector(lambda point, context: point == faulted)):
-                        super()._sync_weight()
-                else:
-                    super()._sync_weight()
+                self._attempt(faulted)
             except Exception as e:  # noqa: BLE001 - recorded, then synced again below
                 from fsdp_sync.errors import SyncError
 
@@ -167,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 if faulted is None:
                     raise
-                super()._sync_weight()  # the retry: must be complete and exact
+                self._attempt(None)  # the retry: must be complete and exact
             record["sync_seconds"].append(time.perf_counter() - started)
             writer = getattr(self._fvs_sync, "writer", None)
             record["pauses"].append(getattr(writer, "last_pause", None))

@@ -85,18 +85,28 @@ def _assert_exact_every_sync(result: LaunchResult, backend: str, syncs: int) -> 
 
 
 def _assert_paused_only_for_the_write(watched: list[dict], syncs: int) -> None:
-    """As the server said it (`GET /is_paused`, polled from outside the library through every sync; see
-    `fsdp_sync._demo.pause_watch`): never paused while the sender's all-gathers or broadcasts to the server ran, and
-    paused after them (the write). A writer that fell back to pausing over the send fails here."""
-    assert len(watched) == syncs, watched
+    """As the server said it (`GET /is_paused`, polled from outside the library through every try of every sync; see
+    `fsdp_sync._demo.pause_watch`): never paused while the sender's all-gathers or broadcasts to the server ran, in
+    any try, failed ones included. A writer that fell back to pausing over the send fails here.
+
+    NOTE: that the server was seen paused for the write is asserted once per run, not per sync: the server answers
+    `/is_paused` through its engine, which does not answer while it writes, so a poll sees the pause only if it lands
+    between the pause and the write or the write and the resume (a first, complete sync's write outlasted every poll
+    in one CI run). Once per run proves the poll can see a pause at all, so "never paused during the data" is not
+    vacuous.
+    """
+    assert sum(w["ok"] for w in watched) == syncs, watched
     for i, w in enumerate(watched, start=1):
-        print(f"sync {i}: the server as polled: {w}")
-        assert w["windows"] > 0, f"sync {i}: no data moved by the sender: {w}"
+        print(f"try {i}: the server as polled: {w}")
+        if not w["ok"] and w["windows"] == 0:
+            continue  # a try that failed before the sender moved any data (its error record says the server ran on)
+        assert w["windows"] > 0, f"try {i}: no data moved by the sender: {w}"
         assert w["paused_before_data_end"] == 0 and w["paused_during_data"] == 0, (
-            f"sync {i}: the server was paused before the sender's data had moved: {w}"
+            f"try {i}: the server was paused before the sender's data had moved: {w}"
         )
-        assert w["during_data"] > 0, f"sync {i}: no poll answered while the data moved (the check saw nothing): {w}"
-        assert w["paused"] > 0, f"sync {i}: the server was never seen paused for the write: {w}"
+        if w["ok"]:
+            assert w["during_data"] > 0, f"try {i}: no poll answered while the data moved (the check saw nothing): {w}"
+    assert any(w["paused"] > 0 for w in watched if w["ok"]), f"the server was never seen paused for a write: {watched}"
 
 
 def test_async_grpo_fsdp2_with_a_failed_sync(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
