@@ -58,10 +58,13 @@ _PRELOAD = (
     "fsdp_sync._demo.grpo_job",
     "fsdp_sync._demo.async_job",
 )
-# Variables that change from test to test, or that a library of the test process sets when first used (torch's
-# inductor cache directory, to its default), and that no module reads at import: not compared; the ranks get the
-# job's values.
-_VOLATILE = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+# Variables that change from test to test, or that a library of the test process sets when first used, after the
+# server started: not compared; the ranks get the job's values in their environment (and pass them on to whatever
+# they start). Seen in CI: torch's inductor cache directory (its default); OpenCV's import puts its own lib64 on
+# LD_LIBRARY_PATH (read by the loader at a process's start: a forked rank searches the server's path, and no job
+# loads OpenCV); VLLM_LOGGING_LEVEL=ERROR (read when vLLM's logger is configured: a forked rank logs at the
+# server's level, more lines, no other effect).
+_VOLATILE = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "LD_LIBRARY_PATH", "VLLM_LOGGING_LEVEL"})
 _MODULE = "fsdp_sync._demo.prefork"  # `__name__` is "__main__" in the server
 # torchrun's grace period between SIGTERM and SIGKILL for the ranks left when one failed.
 _TERM_GRACE_S = 30.0
