@@ -180,6 +180,10 @@ def _serve(socket_path: str) -> None:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - an optional module of an older stack; the job imports what it needs
             print(f"prefork: not preloaded {name}: {type(e).__name__}: {e}", flush=True)
+    # NOTE: what the imports themselves set (vLLM's `env_override` sets PYTORCH_NVML_BASED_CUDA_CHECK and others at
+    # import): a job that started with those values, as one launched from a test process that imported vLLM does,
+    # is what a forked rank is.
+    imported = {k: v for k, v in os.environ.items() if k not in _SERVER_ONLY}
     threads = sorted(os.listdir("/proc/self/task"))
     if threading.active_count() != 1 or len(threads) != 1:
         names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in threads]
@@ -194,17 +198,23 @@ def _serve(socket_path: str) -> None:
         conn, _ = server.accept()
         with conn:
             try:
-                reply = _handle(json.loads(_read_line(conn)), base, captured, server)
+                reply = _handle(json.loads(_read_line(conn)), base, imported, captured, server)
             except Exception as e:  # noqa: BLE001 - answered to the client, which falls back to a real launch
                 reply = {"refused": f"the fork server failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"}
             conn.sendall(json.dumps(reply).encode() + b"\n")
 
 
 def _handle(
-    request: dict[str, Any], base: dict[str, str], captured: dict[str, list[dict[str, str]]], server: socket.socket
+    request: dict[str, Any],
+    base: dict[str, str],
+    imported: dict[str, str],
+    captured: dict[str, list[dict[str, str]]],
+    server: socket.socket,
 ) -> dict[str, Any]:
     env = request["env"]
-    differs = sorted(k for k in (set(env) | set(base)) - _VOLATILE if env.get(k) != base.get(k))
+    differs = sorted(
+        k for k in (set(env) | set(base)) - _VOLATILE if env.get(k) != base.get(k) and env.get(k) != imported.get(k)
+    )
     if differs:
         return {"refused": f"the job's environment differs from the fork server's in {differs}"}
     config, n = request["config"], request["num_processes"]

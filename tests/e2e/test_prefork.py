@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_sync._demo.launch import launch_job
+from fsdp_sync._demo.launch import launch_env, launch_job
+from fsdp_sync._demo.prefork import PREFORK_ENV, PreforkServer
 
 pytestmark = pytest.mark.e2e
 
@@ -23,13 +24,27 @@ PROBE = "fsdp_sync._demo.prefork"
 EXPECTED_DIFFERENCES = {"MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "PYTEST_CURRENT_TEST"}
 
 
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory: pytest.TempPathFactory):
+    """A fork server started with the environment as it is now: earlier tests' libraries may have set variables in
+    this process since the session's server started (the session's jobs are then launched for real, correctly but
+    slower), and these tests are about the server, not about that drift."""
+    server = PreforkServer(tmp_path_factory.mktemp("prefork-own"), launch_env())
+    yield server
+    server.close()
+
+
+@pytest.fixture(autouse=True)
+def _use_own_server(own_server: PreforkServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PREFORK_ENV, own_server.socket_path)
+
+
 def _envs(directory: Path, ranks: int) -> list[dict[str, str]]:
     return [json.loads((directory / f"env{r}.json").read_text()) for r in range(ranks)]
 
 
 @pytest.mark.parametrize("backend,ranks", [("fsdp1", 2), ("fsdp2", 3)])
-def test_forked_ranks_get_the_environment_accelerate_launch_gives_them(backend, ranks, prefork_server, tmp_path):
-    assert prefork_server is not None, "the session's fork server is off (FSDP_VLLM_SYNC_TEST_PREFORK=0)"
+def test_forked_ranks_get_the_environment_accelerate_launch_gives_them(backend, ranks, tmp_path):
     real, forked = tmp_path / "real", tmp_path / "forked"
     for directory, share in ((real, False), (forked, True)):
         result = launch_job(PROBE, ["dump-env", str(directory)], directory, backend=backend, num_processes=ranks,
@@ -43,7 +58,7 @@ def test_forked_ranks_get_the_environment_accelerate_launch_gives_them(backend, 
         assert a["RANK"] == b["RANK"] == str(r) and b["TORCHELASTIC_USE_AGENT_STORE"] == "False"
 
 
-def test_a_failing_rank_fails_the_job_and_the_others_are_stopped(prefork_server, tmp_path):
+def test_a_failing_rank_fails_the_job_and_the_others_are_stopped(tmp_path):
     """As torchrun: one rank exits 3, the other (asleep for 10 minutes) is stopped, the job's exit code is 1."""
     start = time.monotonic()
     result = launch_job(PROBE, ["dump-env", str(tmp_path), "--fail-rank", "1", "--sleep", "600"], tmp_path,
@@ -55,7 +70,7 @@ def test_a_failing_rank_fails_the_job_and_the_others_are_stopped(prefork_server,
         os.kill(int((tmp_path / "pid0").read_text()), 0)
 
 
-def test_a_job_past_its_timeout_is_killed(prefork_server, tmp_path):
+def test_a_job_past_its_timeout_is_killed(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         launch_job(PROBE, ["dump-env", str(tmp_path), "--sleep", "600"], tmp_path, backend="ddp", num_processes=2,
                    timeout=5)  # fmt: skip
@@ -64,7 +79,7 @@ def test_a_job_past_its_timeout_is_killed(prefork_server, tmp_path):
             os.kill(int((tmp_path / f"pid{r}").read_text()), 0)
 
 
-def test_a_job_whose_environment_differs_is_launched_for_real(prefork_server, tmp_path, monkeypatch):
+def test_a_job_whose_environment_differs_is_launched_for_real(tmp_path, monkeypatch):
     """A variable read at import time (here PYTHONPATH, for a `sitecustomize`) cannot be changed in a forked rank."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     result = launch_job(PROBE, ["dump-env", str(tmp_path)], tmp_path, backend="single", timeout=300)
