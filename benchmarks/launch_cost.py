@@ -4,8 +4,9 @@
 
 Side by side in one run, alternating:
 - an end-to-end GRPO job (the tiny Qwen2 of the e2e suite, FSDP2, 2 CPU ranks, the bit-exact engine check on, 2 steps)
-  started by `accelerate launch` (fresh interpreters) and forked from the fork server (`fsdp_sync/_demo/prefork.py`):
-  CPU seconds of every process of the job, and wall seconds;
+  started by `accelerate launch` (fresh interpreters) and forked from the fork server (`fsdp_sync/_demo/prefork.py`),
+  its colocated engine compiled, and forked with the engine eager (`JOB_METHODS`): CPU seconds of every process of
+  the job, and wall seconds;
 - a distributed test's ranks (`run_distributed`, 2 ranks, a function that imports the test module they unpickle
   from) started with `spawn` and from the preloaded `forkserver`: each rank's own CPU seconds at the end.
 Writes benchmarks/results/launch-cost-cpu.{json,md}; medians and ratios.
@@ -29,6 +30,16 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORKED_CPU = re.compile(r"\[prefork\] ranks exited with \[[^\]]*\] \(([\d.]+) CPU seconds\)")
+
+
+# How a test's GRPO job starts: with `accelerate launch` and the engine compiled (every job, before the fork server),
+# forked with the engine compiled (the backend matrix's engine, as users run it), and forked with the engine eager
+# (the jobs whose subject is not the compiled engine: the job's `--eager-engine`).
+JOB_METHODS: dict[str, dict[str, bool]] = {
+    "launched": {"share_imports": False, "compiled_engine": True},
+    "forked": {"share_imports": True, "compiled_engine": True},
+    "forked, eager engine": {"share_imports": True, "compiled_engine": False},
+}
 
 
 def _children_cpu() -> float:
@@ -55,14 +66,14 @@ def job_rows(reps: int) -> list[dict[str, Any]]:
         os.environ[PREFORK_ENV] = server.socket_path
         try:
             for rep in range(reps):
-                for method in ("launched", "forked"):
-                    out = root / f"{method}-{rep}"
+                for method, options in JOB_METHODS.items():
+                    out = root / f"{method.replace(' ', '-').replace(',', '')}-{rep}"
                     before, start = _children_cpu(), time.monotonic()
-                    result = run_grpo(model_dir, out, "fsdp2", share_imports=method == "forked")
+                    result = run_grpo(model_dir, out, "fsdp2", **options)
                     wall = time.monotonic() - start
                     assert result.returncode == 0 and all(r["error"] is None for r in result.ranks), result.log[-3000:]
                     assert all(c["direct_problems"] == [] for r in result.ranks for c in r["checks"])
-                    if method == "forked":
+                    if options["share_imports"]:
                         cpu = float(FORKED_CPU.search(result.log).group(1))
                     else:
                         cpu = _children_cpu() - before
@@ -107,8 +118,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         cpu = medians.get((what, method))
         wall = statistics.median(r["wall_s"] for r in rs)
         ratio = ""
-        if method in ("forked", "forkserver") and cpu:
-            before = medians[(what, "launched" if method == "forked" else "spawn")]
+        if method.startswith("fork") and cpu:
+            before = medians[(what, "spawn" if method == "forkserver" else "launched")]
             ratio = f"{before / cpu:.2f}x"
         lines.append(f"| {what} | {method} | {len(rs)} | {'' if cpu is None else f'{cpu:.1f}'} | {wall:.1f} | {ratio} |")
     return "\n".join(lines)

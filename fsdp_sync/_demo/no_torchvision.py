@@ -30,6 +30,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .after_import import after_import
+
 __all__ = ["SITE_DIR", "engines_without_video", "install", "subprocess_env"]
 
 SITE_DIR = Path(__file__).with_name("site")
@@ -62,14 +64,16 @@ def _torchvision_missing() -> bool:
     return importlib.util.find_spec("torchvision") is None
 
 
-def _stand_in_video_processor() -> None:
-    from transformers.processing_utils import ProcessorMixin, VideosKwargs
+_NO_VIDEO: list[type] = []  # the stand-in class, built when `transformers.processing_utils` is imported
+
+
+def _accept_no_video(processing_utils: ModuleType) -> None:
     from transformers.utils import PushToHubMixin
 
     class NoVideoProcessor(PushToHubMixin):
         """Takes a video processor's place; vLLM reads its kwargs schema and sizes, and no test sends a video."""
 
-        valid_kwargs = VideosKwargs
+        valid_kwargs = processing_utils.VideosKwargs
         merge_size, patch_size, temporal_patch_size = 2, 14, 2
 
         def to_dict(self) -> dict[str, str]:
@@ -78,25 +82,40 @@ def _stand_in_video_processor() -> None:
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("video inputs need torchvision, which this test environment does not have")
 
-    check = ProcessorMixin.check_argument_for_proper_class
+    _NO_VIDEO.append(NoVideoProcessor)
+    mixin = processing_utils.ProcessorMixin
+    check = mixin.check_argument_for_proper_class
 
     def check_argument_for_proper_class(self: Any, name: str, argument: Any) -> Any:
         if name == "video_processor" and (argument is None or isinstance(argument, NoVideoProcessor)):
             return None
         return check(self, name, argument)
 
-    ProcessorMixin.check_argument_for_proper_class = check_argument_for_proper_class
-    # NOTE: imported by its full path: `transformers.models.auto`'s lazy attribute is a torchvision-requiring dummy.
-    video_processing_auto = importlib.import_module("transformers.models.auto.video_processing_auto")
-    video_processing_auto.AutoVideoProcessor.from_pretrained = classmethod(lambda cls, *a, **k: NoVideoProcessor())
+    mixin.check_argument_for_proper_class = check_argument_for_proper_class
+
+
+def _no_video(*args: Any, **kwargs: Any) -> Any:
+    importlib.import_module("transformers.processing_utils")  # builds the class, if nothing has imported it yet
+    return _NO_VIDEO[0]()
+
+
+def _build_no_video(video_processing_auto: ModuleType) -> None:
+    # NOTE: patched in its own module: `transformers.models.auto`'s lazy attribute is a torchvision-requiring dummy.
+    video_processing_auto.AutoVideoProcessor.from_pretrained = classmethod(lambda cls, *a, **k: _no_video())
 
 
 def install() -> None:
-    """Install both stand-ins where torchvision is missing (idempotent; a no-op where it is installed)."""
+    """Install both stand-ins where torchvision is missing (idempotent; a no-op where it is installed). Each applies
+    when transformers' module is imported (`fsdp_sync._demo.after_import` says why not before)."""
     if not _torchvision_missing() or any(isinstance(f, _AliasFinder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _AliasFinder())
-    _stand_in_video_processor()
+    after_import(
+        {
+            "transformers.processing_utils": _accept_no_video,
+            "transformers.models.auto.video_processing_auto": _build_no_video,
+        }
+    )
 
 
 def engines_without_video() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -180,6 +181,7 @@ def _serve(socket_path: str) -> None:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - an optional module of an older stack; the job imports what it needs
             print(f"prefork: not preloaded {name}: {type(e).__name__}: {e}", flush=True)
+    _probe_vector_isas()
     # NOTE: what the imports themselves set (vLLM's `env_override` sets PYTORCH_NVML_BASED_CUDA_CHECK and others at
     # import): a job that started with those values, as one launched from a test process that imported vLLM does,
     # is what a forked rank is.
@@ -188,6 +190,12 @@ def _serve(socket_path: str) -> None:
     if threading.active_count() != 1 or len(threads) != 1:
         names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in threads]
         raise SystemExit(f"prefork: refusing to serve: threads running after the imports ({names}); forking would copy their locks")
+    # NOTE: the imports leave about 630k objects the garbage collector tracks; every full collection walks them all
+    # (0.3-0.4 s each on the 2-core CI machine), and vLLM alone collects seven times per engine start and stop.
+    # Frozen here, before any fork, they are left out of every collection in the ranks (and their pages are not
+    # written by the collector, so they stay shared), as CPython's docs for `gc.freeze` advise for a fork server.
+    gc.collect()
+    gc.freeze()
     captured: dict[str, list[dict[str, str]]] = {}
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_path + ".tmp")
@@ -202,6 +210,20 @@ def _serve(socket_path: str) -> None:
             except Exception as e:  # noqa: BLE001 - answered to the client, which falls back to a real launch
                 reply = {"refused": f"the fork server failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"}
             conn.sendall(json.dumps(reply).encode() + b"\n")
+
+
+def _probe_vector_isas() -> None:
+    """Inductor's probe of the CPU's vector instruction sets, once, for every rank to inherit.
+
+    Why: each process that compiles anything with Inductor (a colocated engine's sampler computes logprobs through a
+    compiled function) first builds and loads a test library per instruction set, in helper processes: measured,
+    1.2 CPU s per rank. The result is cached in the process (`functools.cache`), so a forked rank starts with it.
+    """
+    try:
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    except ImportError:  # a torch without Inductor's CPU backend: nothing to probe
+        return
+    valid_vec_isa_list()
 
 
 def _handle(

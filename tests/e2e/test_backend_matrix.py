@@ -2,7 +2,8 @@
 
 After every sync, every engine weight equals the trainer's full weight bit for bit (see
 `fsdp_sync._demo.grpo_job`); the FSDP wrapper type is asserted (accelerate on CPU falls back to DDP unless FSDP
-is made real), and greedy generations change after training with a large learning rate.
+is made real), and greedy generations change after training with a large learning rate. The matrix's jobs keep the
+engine compiled, as users run it (the other jobs of the suite run it eagerly: the job's `--eager-engine`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ pytestmark = pytest.mark.e2e
 def test_grpo_backend_matrix(backend: str, checkpoints, tmp_path) -> None:
     """Launched the way users launch (`accelerate launch`), not forked from the session's fork server."""
     model_dir = checkpoints("qwen2")
-    result = run_grpo(model_dir, tmp_path, backend, share_imports=False)
+    result = run_grpo(model_dir, tmp_path, backend, share_imports=False, compiled_engine=True)
     assert "[prefork]" not in result.log
+    assert all(r["engine_eager"] is False for r in result.ranks)
     ranks = assert_synced_every_time(result, backend, tensors=checkpoint_tensor_count(model_dir))
     default = {"fsdp1": "fsdp1-flat", "fsdp2": "fsdp2-flat", "ddp": "plain"}[backend]
     assert all(rep["strategy"] == default for r in ranks for rep in r["reports"])
@@ -27,13 +29,15 @@ def test_grpo_backend_matrix(backend: str, checkpoints, tmp_path) -> None:
 
 def test_grpo_single_process(checkpoints, tmp_path) -> None:
     model_dir = checkpoints("qwen2")
-    result = run_grpo(model_dir, tmp_path, "single", ranks=1)
+    result = run_grpo(model_dir, tmp_path, "single", ranks=1, compiled_engine=True)
+    assert all(r["engine_eager"] is False for r in result.ranks)
     assert_synced_every_time(result, "single", ranks=1, tensors=checkpoint_tensor_count(model_dir))
 
 
 def test_fsdp1_flat_params_use_orig_params_false(checkpoints, tmp_path) -> None:
     model_dir = checkpoints("qwen2")
     result = run_grpo(model_dir, tmp_path, "fsdp1", use_orig_params=False)
+    assert all(r["engine_eager"] is True for r in result.ranks)
     assert_synced_every_time(result, "fsdp1", tensors=checkpoint_tensor_count(model_dir))
 
 

@@ -61,8 +61,10 @@ def test_sparse_syncs_at_a_high_learning_rate_change_generations(backend: str, c
     """Every tensor as patches whatever its density (`sparse_max_density=1`) at the default, large learning rate:
     bit-exact every sync and the generations change with training."""
     result = run_grpo(
-        checkpoints("qwen2"), tmp_path, backend, "--sparse", "--sparse-max-density", "1", "--steps", str(STEPS)
-    )
+        checkpoints("qwen2"), tmp_path, backend, "--sparse", "--sparse-max-density", "1", "--steps", str(STEPS),
+        compiled_engine=True,
+    )  # fmt: skip
+    assert all(r["engine_eager"] is False for r in result.ranks), "patches into the compiled engine"
     ranks = assert_synced_every_time(result, backend, steps=STEPS)
     for reports in _sparse_reports(ranks, smaller=False):
         assert all(rep["tensors"] == 0 for rep in reports[1:]), "every tensor travels as patches"
