@@ -68,6 +68,7 @@ class LoRABuffersWriter(FusedBuffersWriter):
                 self.lora_b[module] = torch.zeros(out_features, MAX_RANK, dtype=dtype, device=device)
         self._loaded: tuple[int, str] | None = None
         self._targeted: frozenset[str] = frozenset()
+        self._rank = 0
 
     def lora_limits(self):  # type: ignore[no-untyped-def]
         from fsdp_sync.compat.lora_api import LoRALimits
@@ -105,9 +106,21 @@ class LoRABuffersWriter(FusedBuffersWriter):
         torch._foreach_copy_(b_slots, b_values)
         torch._foreach_mul_(b_slots, scaling)
         self._loaded = (adapter.adapter_id, adapter.name)
+        self._rank = r
 
     def adapter_request(self) -> object | None:
         return self._loaded
+
+    def adapter_digests(self) -> tuple[list[dict[str, str]], Any]:
+        """The slots of the adapter loaded last, as `SyncConfig(verify=True)` reads an engine's (`lora_b` scaled)."""
+        from fsdp_sync.compat.lora_api import EngineLoRA
+        from fsdp_sync.digest import tensor_digest
+
+        digests: dict[str, str] = {}
+        for module in sorted(self._targeted):
+            digests[f"{module}.lora_a"] = tensor_digest(self.lora_a[module][: self._rank])
+            digests[f"{module}.lora_b"] = tensor_digest(self.lora_b[module][:, : self._rank])
+        return [digests], EngineLoRA(self.engine_dtype)
 
     def adapter_mismatches(self, full: Mapping[str, torch.Tensor], scaling: float) -> list[str]:
         """LoRA modules whose slots differ in any bit from the trainer's full `lora_A` and scaling x `lora_B`

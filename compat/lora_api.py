@@ -14,7 +14,7 @@ name), as PEFT saves them and vLLM parses them (`parse_fine_tuned_lora_name`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ __all__ = [
     "ADAPTER_SEGMENTS",
     "IN_MEMORY_PATH",
     "Adapter",
+    "EngineLoRA",
     "LoRALimits",
     "adapter_refusals",
     "adapter_request",
@@ -31,9 +32,14 @@ __all__ = [
     "build_lora_model",
     "engine_adapter",
     "engine_lora_limits",
+    "engine_lora_of",
+    "held_adapter",
     "load_adapter",
     "loaded_adapters",
+    "lora_model",
     "peft_adapter_config",
+    "served_lora_tensors",
+    "worker_engine_lora",
 ]
 
 # The LoRA weights an adapter sync sends (PEFT's `lora_A`/`lora_B`; embedding and DoRA weights are refused).
@@ -191,6 +197,53 @@ def _expected_modules(manager: Any) -> frozenset[str]:
     return frozenset(targets)
 
 
+@dataclass(frozen=True)
+class EngineLoRA:
+    """How an engine builds an adapter from its tensors (`LoRAModel.from_lora_tensors`'s engine-side arguments).
+
+    Attributes:
+        dtype: the dtype the engine holds adapter weights in (its `lora_dtype`).
+        weights_mapper: the engine model's checkpoint-to-vLLM name mapper (`hf_to_vllm_mapper`), None without one.
+        skip_prefixes: module prefixes the engine model skips in adapters (`lora_skip_prefixes`), None without.
+        vocab_size: the engine's vocabulary size (checked against embedding adapters), None where unknown.
+        max_positions: the model's `max_position_embeddings`, None where unknown.
+    """
+
+    dtype: torch.dtype
+    weights_mapper: Any = None
+    skip_prefixes: Any = None
+    vocab_size: int | None = None
+    max_positions: int | None = None
+
+
+def engine_lora_of(model: Any, dtype: torch.dtype, *, vocab_size: int | None, max_positions: int | None) -> EngineLoRA:
+    """The `EngineLoRA` of a vLLM model (an engine's model object, or its class where the model lives elsewhere)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return EngineLoRA(dtype, mapper, getattr(model, "lora_skip_prefixes", None), vocab_size, max_positions)
+
+
+def lora_model(adapter: Adapter, engine: EngineLoRA) -> Any:
+    """A vLLM `LoRAModel` of `adapter` built as `engine` builds it (vLLM's own `from_lora_tensors`); unchecked, not
+    registered, scaling not yet folded. Also the trainer's expectation of what an engine holds (`served_lora_tensors`)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    helper = PEFTHelper.from_dict({**adapter.config, "vllm_max_position_embeddings": engine.max_positions})
+    # NOTE: copies: vLLM folds the scaling into `lora_b` in place (`LoRALayerWeights.optimize`), and a tensor already
+    # on the host in the LoRA dtype is not copied by `from_lora_tensors`: the caller's tensor (in a single process,
+    # the trainer's own parameter) would be scaled.
+    return LoRAModel.from_lora_tensors(
+        lora_model_id=adapter.adapter_id,
+        tensors={name: t.detach().clone() for name, t in adapter.tensors.items()},
+        peft_helper=helper,
+        device="cpu",
+        dtype=engine.dtype,
+        model_vocab_size=engine.vocab_size,
+        weights_mapper=engine.weights_mapper.get_rename_mapper() if engine.weights_mapper is not None else None,
+        skip_prefixes=engine.skip_prefixes,
+    )
+
+
 def build_lora_model(manager: Any, adapter: Adapter, *, lora_config: Any, vocab_size: int, max_positions: int | None) -> Any:
     """A vLLM `LoRAModel` of `adapter` for the engine of `manager` (a `LoRAModelManager`), checked as vLLM's own
     path loader checks an adapter (its config, its target modules, `modules_to_save`); nothing is registered.
@@ -198,34 +251,68 @@ def build_lora_model(manager: Any, adapter: Adapter, *, lora_config: Any, vocab_
     Raises:
         ValueError: the engine cannot serve the adapter (the reasons named).
     """
-    from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
-    helper = PEFTHelper.from_dict({**adapter.config, "vllm_max_position_embeddings": max_positions})
-    helper.validate_legal(lora_config)
+    PEFTHelper.from_dict({**adapter.config, "vllm_max_position_embeddings": max_positions}).validate_legal(lora_config)
     expected = _expected_modules(manager)
     modules = sorted({parse_fine_tuned_lora_name(n)[0] for n in adapter.tensors})
     unexpected = [m for m in modules if m.rsplit(".", 1)[-1] not in expected]
     if unexpected:
         raise ValueError(f"target modules {unexpected} are not LoRA modules of this engine (supported: {sorted(expected)})")
-    model = manager.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    # NOTE: copies: vLLM folds the scaling into `lora_b` in place (`LoRALayerWeights.optimize`), and a tensor already
-    # on the host in the LoRA dtype is not copied by `from_lora_tensors`: the caller's tensor (in a single process,
-    # the trainer's own parameter) would be scaled.
-    lora = LoRAModel.from_lora_tensors(
-        lora_model_id=adapter.adapter_id,
-        tensors={name: t.detach().clone() for name, t in adapter.tensors.items()},
-        peft_helper=helper,
-        device="cpu",
-        dtype=lora_config.lora_dtype,
-        model_vocab_size=vocab_size,
-        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
-    )
+    engine = engine_lora_of(manager.model, lora_config.lora_dtype, vocab_size=vocab_size, max_positions=max_positions)
+    lora = lora_model(adapter, engine)
     manager._validate_modules_to_save(lora)
     return lora
+
+
+def served_lora_tensors(lora: Any, packed_modules: Mapping[str, Sequence[str]]) -> dict[str, torch.Tensor]:
+    """The tensors of a vLLM `LoRAModel` as generation uses them, by target module: `<module>.lora_a`, and
+    `<module>.lora_b` with the module's scaling folded in. A module the engine fused (`qkv_proj`) gives its parts
+    under their own names (`packed_modules`: a LoRA manager's fused module -> its parts, full names); parts it could
+    not name (fused experts) are `<module>[i]`.
+
+    NOTE: vLLM folds the scaling into `lora_b` once, in place, when its manager registers the adapter
+    (`LoRALayerWeights.optimize`: the tensor times the float); one not folded yet (a server's kept version no request
+    has named, or the trainer's expectation from `lora_model`) is folded here, out of place, with the same arithmetic.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for module, weights in lora.loras.items():
+        a, b, scaling = weights.lora_a, weights.lora_b, weights.scaling
+        if isinstance(a, list):
+            parts = list(packed_modules.get(module, ()))
+            if len(parts) != len(a):
+                parts = [f"{module}[{i}]" for i in range(len(a))]
+            scalings = scaling if isinstance(scaling, list) else [scaling] * len(a)
+        else:
+            parts, a, b, scalings = [module], [a], [b], [scaling]
+        for part, lora_a, lora_b, factor in zip(parts, a, b, scalings, strict=True):
+            if lora_a is None:
+                continue
+            out[f"{part}.lora_a"] = lora_a
+            out[f"{part}.lora_b"] = lora_b if factor == 1 else lora_b * factor
+    return out
+
+
+def worker_engine_lora(worker: Any) -> EngineLoRA:
+    """How the worker's LoRA manager builds an adapter (an in-process engine's worker, or a server's)."""
+    worker_manager = _worker_lora_manager(worker)
+    return engine_lora_of(
+        worker_manager._adapter_manager.model,
+        worker_manager.lora_config.lora_dtype,
+        vocab_size=worker_manager.vocab_size,
+        max_positions=worker_manager.max_position_embeddings,
+    )
+
+
+def held_adapter(worker: Any, adapter_id: int) -> tuple[Any, Mapping[str, Sequence[str]]]:
+    """The `LoRAModel` the worker's LoRA manager holds for `adapter_id`, and the manager's fused modules (for
+    `served_lora_tensors`). Raises KeyError when the manager does not hold the id."""
+    manager = _worker_lora_manager(worker)._adapter_manager
+    lora = manager.get_adapter(adapter_id)
+    if lora is None:
+        raise KeyError(f"the engine's LoRA manager holds no adapter {adapter_id} (it holds {sorted(manager.list_adapters())})")
+    return lora, manager.packed_modules
 
 
 def load_adapter(worker: Any, adapter: Adapter, *, replace: int | None) -> None:

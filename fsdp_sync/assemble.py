@@ -21,7 +21,7 @@ from .errors import UnsupportedSetupError
 from .gather import Gatherer, make_gatherer
 from .peft_merge import PeftMerge
 from .memory import MemoryMeter
-from .sync.adapter import FALLBACK, VERIFY_REFUSAL, AdapterSync, adapter_refusal
+from .sync.adapter import FALLBACK, AdapterSync, adapter_refusal
 from .sync.delta import DeltaPolicy
 from .sync.pipeline import WeightSync
 from .sync.select import Everything, SelectionPolicy
@@ -133,10 +133,8 @@ def _adapter_sync(
     gatherer = make_gatherer(model, backend, config, engine_dtype=None, compute_device=None)
     # NOTE: every option applies to the sync kind chosen, or that kind is not chosen (adapter=True refuses it in
     # `SyncConfig`): none is skipped silently.
-    if config.verify:
-        refusal: str | None = VERIFY_REFUSAL
-    elif config.sparse:
-        refusal = "sparse=True sends the changed elements of merged weights"
+    if config.sparse:
+        refusal: str | None = "sparse=True sends the changed elements of merged weights"
     else:
         refusal = adapter_refusal(inner, gatherer, rules, writer)
     if refusal is None:

@@ -73,8 +73,8 @@ class SyncConfig:
             differs from the engine's checkpoint) is an error before anything is written; a colocated engine that
             TRL builds is started with LoRA enabled for it. False: merged syncs. Delta and sparse options do not
             apply to adapter syncs (the whole adapter goes every time: it is small; `sparse` is refused with
-            adapter=True); `check_finite` checks the adapter's pieces; `verify` is refused with adapter=True and
-            makes adapter=None choose merged syncs (the engine gives no digests of its adapters).
+            adapter=True); `check_finite` checks the adapter's pieces; `verify` compares the engine's adapter, as
+            its LoRA manager keeps it to serve (every worker of a server), with what was sent, by digest.
     """
 
     fsdp1_strategy: str = "flat"
@@ -114,11 +114,5 @@ class SyncConfig:
             raise ValueError(f"group_port={self.group_port}; must be a TCP port (1-65535) or None")
         if self.adapter and self.sparse:
             raise ValueError("adapter=True pushes the whole adapter each sync; sparse=True applies to merged syncs only")
-        if self.adapter and self.verify:
-            raise ValueError(
-                "adapter=True with verify=True: verify compares the engine's own weight digests with what was sent, "
-                "and the engine gives no digests of the adapters in its LoRA manager; verify applies to merged syncs "
-                "(adapter=False, or None: merged whenever verify is on)"
-            )
         if self.fsdp2_strategy not in _FSDP2:
             raise ValueError(f"fsdp2_strategy={self.fsdp2_strategy!r}; valid: {list(_FSDP2)}")

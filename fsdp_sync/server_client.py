@@ -159,6 +159,14 @@ class ServerClient(HTTPVLLMWeightSyncClient):
         workers = [set(w) for w in (answer or {}).get("results", []) if isinstance(w, list)]
         return frozenset(set.intersection(*workers)) if workers else frozenset()
 
+    def adapter_digests(self, name: str) -> list[dict[str, Any]]:
+        """Each worker's digests of the adapter version `name` it keeps to serve (the gloo backend's worker method
+        `compat.lora_patches.ADAPTER_DIGESTS_METHOD`, through `/collective_rpc`), in worker order."""
+        from fsdp_sync.compat.lora_patches import ADAPTER_DIGESTS_METHOD
+
+        answer = self._request("POST", "collective_rpc", json={"method": ADAPTER_DIGESTS_METHOD, "args": [name]})
+        return list((answer or {}).get("results", []))
+
     def pause(self) -> None:
         """Stop scheduling generation; requests in flight are kept, not aborted (vLLM's `/pause?mode=keep`, what
         TRL's async trainer asks for), and go on from where they were at `resume`."""

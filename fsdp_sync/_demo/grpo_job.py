@@ -62,6 +62,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--torch-compile", default=None, help="compile the model with this torch.compile backend")
     p.add_argument("--check", action="store_true", help="bit-exact engine check after every sync")
+    p.add_argument(
+        "--eager-engine",
+        action="store_true",
+        help="the colocated engine runs eagerly (vLLM's enforce_eager): no Dynamo trace or Inductor load at its start",
+    )
     p.add_argument("--stock", action="store_true", help="TRL's own sync (no mixin), recorded as it behaves")
     p.add_argument(
         "--stock-reload",
@@ -147,6 +152,29 @@ def _setup_env() -> None:
     # attribute 'finalize_loading'"): every engine start recompiled the model with Inductor (6-10 s a process).
     # vLLM's other compile cache loads; the engine still runs compiled, as it does for users.
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
+def _eager_engines() -> None:
+    """Every `vllm.LLM` this process starts defaults to `enforce_eager=True`.
+
+    Why: a colocated engine's start compiles its model (Dynamo's trace and Inductor's cached graphs: about 3 of the 11
+    CPU seconds of a 2-rank test job on the CI machine). The tests whose subject is not the compiled engine pass
+    `--eager-engine`; the backend matrix, the sparse generation tests and the README's job keep it compiled.
+    NOTE: TRL builds the engine itself and passes no `enforce_eager`; it calls the `LLM` class it imported, so the
+    default is set on the class.
+    """
+    import functools
+
+    from vllm import LLM
+
+    init = LLM.__init__
+
+    @functools.wraps(init)
+    def eager_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("enforce_eager", True)
+        init(self, *args, **kwargs)
+
+    LLM.__init__ = eager_init
 
 
 def _reward(completions: list[Any], **_: Any) -> list[float]:
@@ -708,7 +736,8 @@ class Injections:
         specs: `--inject` entries.
         rank, world: this rank and the number of ranks.
         soak, seed: `--soak` faults drawn from `SOAK_POINTS` (the same plan on every rank).
-        tamper: `--tamper-engine NAME:SYNC` (rank 0 changes an engine weight after its push, at `verify`).
+        tamper: `--tamper-engine NAME:SYNC` (rank 0 changes an engine weight after its push, at `verify`; NAME
+            `adapter:<module>.lora_a`: that tensor of the adapter its LoRA manager holds).
         kill: `(victim pid or -own pid, sync, tensor)`: SIGKILL at that tensor of that sync (rank 0).
     """
 
@@ -777,7 +806,11 @@ class Injections:
             import torch
 
             with torch.no_grad():
-                _engine_model(self.trainer).get_parameter(self.tamper[0]).add_(1)
+                name = self.tamper[0]
+                if name.startswith("adapter:"):
+                    _held_adapter_tensor(self.trainer, name.removeprefix("adapter:")).add_(1)
+                else:
+                    _engine_model(self.trainer).get_parameter(name).add_(1)
         armed = self.plan.get(self.sync)
         if armed is None or armed[0] != point or self.rank not in armed[2]:
             return False
@@ -789,6 +822,16 @@ class Injections:
         if where.isdigit():
             return n == int(where)
         return context.get("name") == where
+
+
+def _held_adapter_tensor(trainer: Any, key: str) -> Any:
+    """The tensor `key` (`<module>.lora_a`) of the adapter the colocated engine's LoRA manager holds for the version
+    just loaded: the object generation reads, not a copy."""
+    from fsdp_sync.compat.engine_api import engine_handle
+    from fsdp_sync.compat.lora_api import held_adapter, served_lora_tensors
+
+    lora, packed = held_adapter(engine_handle(_engine(trainer)).worker, trainer.adapter_request.lora_int_id)
+    return served_lora_tensors(lora, packed)[key]
 
 
 def _engine_model(trainer: Any) -> Any:
@@ -840,6 +883,8 @@ def _route_load_weights_to_reload(trainer: Any, pushed: list[str]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _setup_env()
+    if args.eager_engine:
+        _eager_engines()
     import contextlib
 
     import torch
@@ -1083,6 +1128,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["sync_seconds"] = sync_seconds
     result["server_actions"] = actions.done
     result["checks"] = checker.records if checker is not None else []
+    if not server:
+        result["engine_eager"] = _engine(trainer).llm_engine.vllm_config.model_config.enforce_eager
     if server:
         import vllm.distributed.weight_transfer.base as transfer_base
 

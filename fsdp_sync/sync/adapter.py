@@ -43,19 +43,13 @@ from ..gather.base import Gatherer, Piece
 from ..report import AdapterFigures, SyncReport
 from ..writers.base import AdapterWriter, BoundedWriter, EngineWriter
 from .contract import writer_budget
+from .verify import verify_adapter
 
 __all__ = ["AdapterPlan", "AdapterSync", "adapter_plan", "adapter_refusal", "gather_pieces"]
 
 logger = logging.getLogger(__name__)
 
 FALLBACK = "use merged syncs instead: SyncConfig(adapter=False), which merge the adapter into the base and push both"
-# Why `SyncConfig(verify=True)` does not apply to adapter syncs (refused with adapter=True; merged syncs otherwise).
-VERIFY_REFUSAL = (
-    "verify=True compares the engine's own weight digests with what was sent, and the engine gives no digests of "
-    "the adapters in its LoRA manager"
-)
-
-
 @dataclass(frozen=True)
 class AdapterPlan:
     """What an adapter sync sends, the same on every rank.
@@ -452,6 +446,7 @@ class AdapterSync:
         if failures:
             state = EngineState("undefined") if error is not None else self._unchanged()
             raise agreed_error(error, failures, state)
+        verified = verify_adapter(self.coordinator, self.writer, adapter) if self.config.verify else None
         self.version = version
         seconds = time.perf_counter() - start
         sent = sum(t.numel() * t.element_size() for t in adapter.tensors.values()) if adapter is not None else 0
@@ -464,6 +459,7 @@ class AdapterSync:
             backend=self.backend,
             strategy=self.strategy,
             writer=self.writer_kind,
+            verified=verified,
             figures=(
                 AdapterFigures(
                     adapter_id=version,

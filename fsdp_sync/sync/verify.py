@@ -13,6 +13,7 @@ weight is reported as unverifiable, by name, never passed silently.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,13 +21,25 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
+from fsdp_sync.compat.lora_api import Adapter, lora_model, served_lora_tensors
 
-from ..digest import EMPTY_DIGEST, tensor_bytes
+from ..digest import EMPTY_DIGEST, tensor_bytes, tensor_digest
 from ..distributed import Coordinator, agreed
 from ..errors import EngineState, RankFailure, SyncError, VerifyError, agreed_error
 from ..faults import fault_point
+from ..writers.base import AdapterWriter
 
-__all__ = ["EMPTY_DIGEST", "EngineDigests", "VerifyResult", "tensor_bytes", "verify_push"]
+__all__ = [
+    "EMPTY_DIGEST",
+    "EngineDigests",
+    "VerifyResult",
+    "compare_adapter",
+    "tensor_bytes",
+    "verify_adapter",
+    "verify_push",
+]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -289,6 +302,70 @@ def verify_push(
         engine = pushed
         if isinstance(error, VerifyError):  # the weights named in its message differ from what was sent
             engine = EngineState("undefined", note="the engine's weights differ from what was sent")
+        return agreed_error(error, failures, engine)
+
+    return agreed(coordinator, "verify", work, failed)
+
+
+def compare_adapter(expected: Mapping[str, str], workers: Sequence[Mapping[str, str]]) -> VerifyResult:
+    """Compare the digests of an adapter as sent (`expected`: `<module>.lora_a`/`.lora_b` -> sha256, the scaling
+    folded into `lora_b` as the engine folds it) with each worker's (or engine's) digests of the adapter it keeps."""
+    result = VerifyResult()
+    for index, held in enumerate(workers):
+        tag = f" (worker {index})" if len(workers) > 1 else ""
+        for key in sorted(expected.keys() | held.keys()):
+            if key not in held:
+                result.mismatched.append(f"{key}{tag}: sent, but the engine's adapter has no such tensor")
+            elif key not in expected:
+                result.unverifiable[key + tag] = "the engine's adapter holds it in a layout no sent tensor maps to"
+            else:
+                result.checked += 1
+                if held[key] != expected[key]:
+                    result.mismatched.append(key + tag)
+    return result
+
+
+def verify_adapter(coordinator: Coordinator, writer: AdapterWriter, adapter: Adapter | None) -> int:
+    """`SyncConfig(verify=True)` for an adapter sync: the adapter the engine keeps to serve (every worker of a
+    server) against what this rank sent, digest for digest; agreed on every rank. Returns the tensors compared.
+
+    Why not the merged sync's digests: the engine's weights are untouched; what generation reads is the adapter's
+    `lora_a`, and `lora_b` with the scaling folded in (`compat.lora_api.served_lora_tensors`). The expectation is
+    built from the sent tensors by vLLM's own `LoRAModel.from_lora_tensors`, with the engine's LoRA dtype.
+
+    Args:
+        writer: the sync's `AdapterWriter` (`adapter_digests`).
+        adapter: what this rank loaded; None on a rank without an engine (it takes part in the agreement only).
+
+    Raises:
+        VerifyError: on every rank, when any rank's engine keeps other values than it was sent.
+    """
+
+    def work() -> int:
+        if adapter is None:
+            return 0
+        fault_point("verify")
+        workers, engine = writer.adapter_digests()
+        sent = served_lora_tensors(lora_model(adapter, engine), {})
+        result = compare_adapter({key: tensor_digest(t) for key, t in sent.items()}, workers)
+        if result.unverifiable:
+            logger.warning("weight sync: %s", result.describe_unverifiable())
+        if result.mismatched:
+            names = ", ".join(result.mismatched[:10]) + (" ..." if len(result.mismatched) > 10 else "")
+            raise VerifyError(
+                f"{len(result.mismatched)} of the engine's adapter tensor(s) of {adapter.name} differ from what was "
+                f"sent: {names}. Something other than this sync wrote into the engine's LoRA manager."
+            )
+        return result.checked
+
+    def failed(error: Exception | None, failures: list[RankFailure]) -> SyncError:
+        engine = None
+        if adapter is not None:
+            engine = EngineState(
+                "undefined",
+                note=f"the engine serves adapter {adapter.name}, which differs from what was sent where named; the "
+                "next sync loads the whole adapter as a new version",
+            )
         return agreed_error(error, failures, engine)
 
     return agreed(coordinator, "verify", work, failed)

@@ -295,6 +295,33 @@ class _AdapterRound:
         logger.info("gloo weight transfer: adapter %s (%d tensors) received", adapter["name"], len(tensors))
 
 
+def adapter_digests(worker: Any, name: str) -> dict[str, Any]:
+    """`compat.lora_patches.ADAPTER_DIGESTS_METHOD` (what `SyncConfig(verify=True)` asks each worker after an
+    adapter sync, through `/collective_rpc`): sha256 of each tensor of the adapter version `name` as this worker keeps it to serve
+    (`compat.lora_api.served_lora_tensors`), and the dtype it holds them in; `held` False where it keeps no such
+    version (with the versions it keeps)."""
+    from fsdp_sync.compat.lora_api import served_lora_tensors
+    from fsdp_sync.compat.lora_patches import kept_adapter, served_adapters
+    from fsdp_sync.digest import tensor_digest
+
+    lora = kept_adapter(name)
+    if lora is None:
+        return {"held": False, "kept": served_adapters()}
+    tensors = served_lora_tensors(lora, worker.model_runner.get_model().lora_manager.packed_modules)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+    return {"held": True, "dtypes": dtypes, "digests": {key: tensor_digest(t) for key, t in tensors.items()}}
+
+
+def _add_worker_methods() -> None:
+    """Give vLLM's workers `ADAPTER_DIGESTS_METHOD` (idempotent). NOTE: a method on vLLM's `WorkerBase`, the class
+    `/collective_rpc` calls methods of by name (vLLM 0.28-0.32); nothing else of the worker is changed."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from fsdp_sync.compat.lora_patches import ADAPTER_DIGESTS_METHOD
+
+    setattr(WorkerBase, ADAPTER_DIGESTS_METHOD, adapter_digests)
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpdateInfo]):
     """Worker side (inside the vLLM server): joins the trainer's group and receives each update in the round the
     update announces: dense (`_DenseRound`) or sparse (`_PatchRound`)."""
@@ -313,6 +340,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         self._patches = _PatchRound(self)
         self._staging = _Staging(self)
         self._adapter = _AdapterRound(self)
+        _add_worker_methods()
 
     def _worker_rank(self) -> int:
         # Unique across data-parallel replicas, as vLLM's NCCL backend numbers its workers.

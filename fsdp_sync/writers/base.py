@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from fsdp_sync.compat.engine_api import EngineLayout
-from fsdp_sync.compat.lora_api import Adapter, LoRALimits
+from fsdp_sync.compat.lora_api import Adapter, EngineLoRA, LoRALimits
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
 
@@ -144,4 +144,10 @@ class AdapterWriter(Protocol):
 
     def adapter_request(self) -> object | None:
         """The `LoRARequest` of the adapter loaded last (None before the first)."""
+        ...
+
+    def adapter_digests(self) -> tuple[list[dict[str, str]], EngineLoRA]:
+        """The adapter loaded last as the engine keeps it to serve, per worker (`<module>.lora_a`/`.lora_b` ->
+        sha256, `compat.lora_api.served_lora_tensors`), and how the engine builds an adapter (its LoRA dtype and
+        names), for `SyncConfig(verify=True)`."""
         ...

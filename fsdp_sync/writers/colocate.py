@@ -28,7 +28,17 @@ from fsdp_sync.compat.engine_api import (
     split_worker_digests,
     wake_up_weights,
 )
-from fsdp_sync.compat.lora_api import Adapter, LoRALimits, adapter_request, engine_lora_limits, load_adapter
+from fsdp_sync.compat.lora_api import (
+    Adapter,
+    EngineLoRA,
+    LoRALimits,
+    adapter_request,
+    engine_lora_limits,
+    held_adapter,
+    load_adapter,
+    served_lora_tensors,
+    worker_engine_lora,
+)
 from fsdp_sync.compat.load_probe import Landing, probe_loads, reload_gaps
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch, patch_loader, patch_refusals
@@ -37,7 +47,7 @@ from fsdp_sync.compat.reload_api import eager_reload_tensors, finalize_failed_re
 from fsdp_sync.compat.vllm_patches import quiet_partial_reload, refresh_tied_cpu_gemms
 
 from ..errors import EngineState, StreamInterrupted, SyncError
-from ..digest import tensor_bytes
+from ..digest import tensor_bytes, tensor_digest
 from ..versions import ColocateVersions
 
 __all__ = ["ColocateWriter", "EnginePushError"]
@@ -93,6 +103,13 @@ class ColocateWriter:
 
     def adapter_request(self) -> object | None:
         return adapter_request(self._adapter.adapter_id, self._adapter.name) if self._adapter is not None else None
+
+    def adapter_digests(self) -> tuple[list[dict[str, str]], EngineLoRA]:
+        """Read back from this process's LoRA manager: the adapter it registered last, as generation uses it."""
+        assert self._adapter is not None, "no adapter was loaded"
+        lora, packed = held_adapter(self.handle.worker, self._adapter.adapter_id)
+        digests = {key: tensor_digest(t) for key, t in served_lora_tensors(lora, packed).items()}
+        return [digests], worker_engine_lora(self.handle.worker)
 
     def _read(self) -> tuple[EngineManifest, dict[str, Landing]]:
         """The engine's checkpoint and where its model's loader puts each tensor (read and probed once: parameter

@@ -32,15 +32,20 @@ from urllib.parse import urlparse
 import torch
 
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
-from fsdp_sync.compat.engine_api import EngineLayout, engine_naming_for_architectures, split_worker_digests
-from fsdp_sync.compat.lora_api import Adapter, LoRALimits
+from fsdp_sync.compat.engine_api import (
+    EngineLayout,
+    engine_model_class,
+    engine_naming_for_architectures,
+    split_worker_digests,
+)
+from fsdp_sync.compat.lora_api import Adapter, EngineLoRA, LoRALimits, engine_lora_of
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
 from fsdp_sync.compat.server_api import ServerInfo
 from fsdp_sync.compat.trl_api import ServerAddress
 from fsdp_sync.compat.vllm_patches import unfixed_reload_gaps
 from fsdp_sync.compat.weight_transfer import PlanSource, plan_source, source_metadata, trainer_transfer_engine
-from ..errors import EngineState, SyncError
+from ..errors import EngineState, SyncError, VerifyError
 from ..versions import ServerVersions
 from ..server_client import (
     ServerClient,
@@ -368,6 +373,28 @@ class ServerWriter:
     def adapter_request(self) -> object | None:
         """The name requests ask for the adapter by (TRL's client sends it as `model`)."""
         return self._adapter_name
+
+    def adapter_digests(self) -> tuple[list[dict[str, str]], EngineLoRA]:
+        """Each worker's digests of the adapter it keeps under the last version's name (a tensor-parallel worker
+        keeps the whole adapter: vLLM slices it only when it activates it).
+
+        Raises:
+            VerifyError: a worker keeps no such version.
+        """
+        assert self.client is not None and self._adapter_name is not None, "no adapter was loaded"
+        answers = self.client.adapter_digests(self._adapter_name)
+        missing = [f"worker {i} (it keeps {a.get('kept')})" for i, a in enumerate(answers) if not a.get("held")]
+        if missing or not answers:
+            raise VerifyError(f"the server keeps no adapter {self._adapter_name} on {', '.join(missing) or 'any worker'}")
+        dtypes = sorted({d for a in answers for d in a["dtypes"]})
+        if len(dtypes) > 1:
+            raise VerifyError(f"the server's workers keep adapter {self._adapter_name} in several dtypes: {dtypes}")
+        dtype = dtypes[0] if dtypes else str(self.info.dtype).removeprefix("torch.")
+        config = Path(self.checkpoint_dir) / "config.json"
+        architectures = (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
+        model_class = engine_model_class(architectures)
+        engine = engine_lora_of(model_class, getattr(torch, dtype), vocab_size=None, max_positions=None)
+        return [a["digests"] for a in answers], engine
 
     def manifest(self) -> EngineManifest:
         try:

@@ -124,3 +124,50 @@ def test_what_cannot_be_pushed_as_an_adapter_is_refused_on_every_rank_before_any
         assert r["error"] is not None and says in r["error"], r["error"]
         assert "SyncConfig(adapter=False)" in r["error"]
         assert r["written"] == 0
+
+
+def verify_scenario(rank: int, world_size: int, backend: str, directory: str) -> dict[str, object]:
+    """Three adapter syncs with `verify=True`; right after the load of the second, rank 0's engine copy of one
+    `lora_A` is changed behind the sync (at the `verify` fault point, from outside the library)."""
+    from fsdp_sync.errors import SyncError
+    from fsdp_sync.faults import injecting
+
+    save_base(directory, seed=0)
+    wrapped = wrap(peft_lm(), backend, world_size)
+    writer = RecordingAdapterWriter(directory)
+    sync = build_sync(wrapped, writer, SyncConfig(adapter=True, verify=True), device=torch.device("cpu"))
+    optimizer = torch.optim.SGD([p for p in wrapped.parameters() if p.requires_grad], lr=0.5)
+    changed = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"
+
+    def tamper(point: str, context: dict) -> None:
+        if point == "verify" and rank == 0 and len(writer.adapters) == 2:
+            writer.adapters[-1].tensors[changed].add_(1)
+
+    reports, error = [sync.sync()], None
+    train_step(wrapped, optimizer)
+    with injecting(tamper):
+        try:
+            sync.sync()
+        except SyncError as e:
+            error = {"type": type(e).__name__, "message": str(e), "failures": [[f.rank, f.stage] for f in e.failures]}
+    reports.append(sync.sync())
+    return {
+        "error": error,
+        "verified": [r.verified for r in reports],
+        "ids": [a.adapter_id for a in writer.adapters],
+        "last_equal": all(torch.equal(writer.adapters[-1].tensors[k], v) for k, v in full_adapter(wrapped).items()),
+    }
+
+
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+def test_adapter_verify_compares_the_engines_adapter_with_what_was_sent(backend: str, tmp_path: Path) -> None:
+    """`verify=True` on adapter syncs: every tensor the engine serves (lora_A, and lora_B with the scaling folded in)
+    is compared by digest with what was sent; a tensor changed in rank 0's engine after its load fails the sync on
+    every rank, naming it; the version does not move (the next sync loads the same id, whole)."""
+    for r in run_distributed(verify_scenario, backend, str(tmp_path)):
+        assert r["verified"] == [8, 8], r["verified"]  # q_proj and v_proj of 2 layers, lora_a and lora_b
+        error = r["error"]
+        assert error is not None and error["failures"] == [[0, "verify"]], error
+        assert "model.layers.1.self_attn.v_proj.lora_a" in error["message"], error["message"]
+        assert r["ids"] == [1, 2, 2], "a version moves only after a sync that succeeded"
+        assert r["last_equal"]

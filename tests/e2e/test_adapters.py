@@ -59,6 +59,9 @@ def _check(result, backend: str, *, colocated: bool) -> None:
             assert check["adapter_problems"] == [], check["adapter_problems"]
             assert check["logits_problems"] == [], check["logits_problems"]
             assert report["tensors"] == 8
+            # SyncConfig(verify=True): the engine's adapter, read back from every worker's LoRA manager, was compared
+            # with what was sent (colocated: every rank's engine; server mode: rank 0 asks the server's workers)
+            assert report["verified"] == (8 if colocated else 8 * check["workers"] if r["rank"] == 0 else 0), report
             # colocated: every rank loads the adapter; server mode: rank 0 sends it, rank 1 only gathers
             assert report["bytes"] == (ADAPTER_NUMEL * 4 if colocated or r["rank"] == 0 else 0)
             assert r["in_sync"][i]["unshards"] == 0, "FSDP unsharded a unit during an adapter sync"
@@ -90,6 +93,7 @@ def test_adapter_syncs_are_exact_in_the_lora_manager_and_served(
         "0",  # the engine's checkpoint is the trainer's base (checked by digest at the first sync)
         "--steps",
         str(STEPS),
+        "--verify",
     )
     _check(result, backend, colocated=True)
 
@@ -118,6 +122,7 @@ def test_adapter_syncs_into_a_server_over_the_transfer(
         lora_server.base_url,
         "--group-port",
         str(free_port()),
+        "--verify",
     )
     _check(result, backend, colocated=False)
     _only_kept_versions_are_served(lora_server, last=result.ranks[0]["reports"][-1]["adapter_id"])
@@ -135,12 +140,39 @@ def test_adapter_syncs_into_a_tensor_parallel_server(checkpoints, tmp_path) -> N
     with server:
         result = run_grpo(
             model_dir, tmp_path / "job", "fsdp2", "--peft", "--adapter", "--perturb", "0", "--steps", str(STEPS),
-            "--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port()),
+            "--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port()), "--verify",
         )  # fmt: skip
         _check(result, "fsdp2", colocated=False)
         assert all(c["workers"] == 2 for r in result.ranks for c in r["checks"])
         _only_kept_versions_are_served(server, last=result.ranks[0]["reports"][-1]["adapter_id"])
         server.raise_on_worker_death()
+
+
+def test_adapter_verify_catches_a_changed_engine_adapter(checkpoints, tmp_path) -> None:
+    """`SyncConfig(verify=True)` on adapter syncs, FSDP1: right after the load of sync 1, rank 0's engine `lora_a` of
+    one module is changed in its LoRA manager, behind the sync (the tensor generation reads). The sync fails on every
+    rank, naming that tensor and rank 0's verify, and says what the engine holds; the version does not move; the
+    next sync loads the whole adapter again and the engine holds exactly the trainer's adapter after it."""
+    tampered = "model.layers.0.self_attn.q_proj.lora_a"
+    result = run_grpo(
+        checkpoints("qwen2"), tmp_path, "fsdp1", "--peft", "--adapter", "--perturb", "0", "--steps", str(STEPS),
+        "--verify", "--tamper-engine", f"adapter:{tampered}:1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.log[-6000:]
+    for r in result.ranks:
+        assert r["error"] is None and r["wrapper"]["is_fsdp1"], r["error"]
+        (failed,) = r["failed_syncs"]
+        assert failed["sync"] == 1 and failed["failures"] == [[0, "verify"]], failed
+        assert failed["type"] == ("VerifyError" if r["rank"] == 0 else "RemoteSyncError"), failed
+        assert tampered in failed["message"] and "fsdp-vllm-sync-v2" in failed["message"], failed["message"]
+        assert failed["report"]["ok"] is False
+        ok = [rep for rep in r["reports"] if rep["ok"]]
+        # versions move only after a sync that succeeded: the failed one's id is loaded again by the next sync
+        assert [rep["adapter_id"] for rep in ok] == list(range(1, len(ok) + 1)) and len(ok) >= STEPS, ok
+        assert all(rep["verified"] == 8 for rep in ok), ok
+        assert len(r["checks"]) == len(ok)
+        for check in r["checks"]:
+            assert check["adapter_problems"] == [] and check["logits_problems"] == [], check
 
 
 def _only_kept_versions_are_served(server: VLLMServerProcess, *, last: int) -> None:
