@@ -4,7 +4,8 @@ two whole replicas), both vLLM-CPU with `VLLM_CPU_OMP_THREADS_BIND="0|1"` (tests
 
 After every sync the demo job's check reads every worker's digests (`/weight_checker`, tagged `dp<i>:...:tp<j>`) and
 compares each with the trainer's full weight cut as that worker's loader cuts it (`compat.tp_shards`, the cut read
-from the same worker): every shard of every replica, bit for bit. One job per server, several sync kinds per job.
+from the same worker): every shard of every replica, bit for bit. Both backends on each server, and TRL's async
+trainer's staged syncs on each.
 
 NOTE: on 2 cores a multi-worker server pins one worker per core and starves the trainer's ranks while it serves;
 the jobs keep few steps (each check sends a handful of requests).
@@ -67,6 +68,25 @@ def test_complete_then_sparse_syncs_into_a_tensor_parallel_server(
     _show("tp2 fsdp2 sparse", ranks)
 
 
+def test_fsdp1_delta_syncs_into_a_tensor_parallel_server(tp2_server: VLLMServerProcess, checkpoints, tmp_path) -> None:
+    """FSDP1 (flat parameters kept per unit), delta syncs: every shard on both workers bit-exact after each sync."""
+    model_dir = checkpoints("qwen2")
+    result = run_grpo(model_dir, tmp_path, "fsdp1", "--steps", "2", *_server_args(tp2_server.base_url))
+    ranks = assert_synced_every_time(result, "fsdp1", steps=2)
+    _every_worker_checked(ranks, TP2_WORKERS)
+    assert ranks[0]["reports"][0]["complete"]
+    _show("tp2 fsdp1 delta", ranks)
+
+
+def test_async_trainer_staged_syncs_into_a_tensor_parallel_server(
+    tp2_server: VLLMServerProcess, checkpoints, tmp_path
+) -> None:
+    """TRL's AsyncGRPOTrainer, FSDP2: each sync staged on both workers while they keep generating, then written
+    under one pause; every shard on both workers bit-exact after each, and the version the trainer, the server and
+    the rollout worker agree on moves with each sync."""
+    _async_staged(tp2_server, checkpoints("qwen2"), tmp_path, "fsdp2", TP2_WORKERS)
+
+
 def test_complete_then_delta_syncs_into_a_data_parallel_server(
     dp2_server: VLLMServerProcess, checkpoints, tmp_path
 ) -> None:
@@ -80,3 +100,49 @@ def test_complete_then_delta_syncs_into_a_data_parallel_server(
     assert first["complete"] and first["tensors"] == checkpoint_tensor_count(model_dir)
     assert later and all(not rep["complete"] and rep["tensors"] < first["tensors"] for rep in later), later
     _show("dp2 fsdp1 lora delta", ranks)
+
+
+def test_fsdp2_sparse_syncs_into_a_data_parallel_server(dp2_server: VLLMServerProcess, checkpoints, tmp_path) -> None:
+    """FSDP2, sparse syncs into both replicas (the documented command keeps vLLM-CPU's linear weights packed, so
+    those go whole, the reason logged, and the rest as patches): every weight of both replicas bit-exact."""
+    model_dir = checkpoints("qwen2")
+    result = run_grpo(
+        model_dir, tmp_path, "fsdp2", "--sparse", "--lr", LR, "--steps", "2", *_server_args(dp2_server.base_url)
+    )
+    ranks = assert_synced_every_time(result, "fsdp2", steps=2, generations_change=False)
+    _every_worker_checked(ranks, DP2_WORKERS)
+    first, *later = ranks[0]["reports"]
+    assert first["complete"] and later and all(not rep["complete"] for rep in later), later
+    _show("dp2 fsdp2 sparse", ranks)
+
+
+def test_async_trainer_staged_syncs_into_a_data_parallel_server(
+    dp2_server: VLLMServerProcess, checkpoints, tmp_path
+) -> None:
+    """TRL's AsyncGRPOTrainer, FSDP1, staged syncs into both replicas (as into the tensor-parallel server above)."""
+    _async_staged(dp2_server, checkpoints("qwen2"), tmp_path, "fsdp1", DP2_WORKERS)
+
+
+def _async_staged(server: VLLMServerProcess, model_dir, tmp_path, backend: str, workers: list[str]) -> None:
+    from fsdp_sync._demo.launch import launch_job
+
+    args = ["--model-dir", str(model_dir), "--out-dir", str(tmp_path), "--server-url", server.base_url,
+            "--group-port", str(free_port()), "--steps", "1", "--check"]  # fmt: skip
+    result = launch_job("fsdp_sync._demo.async_job", args, tmp_path, backend=backend, num_processes=2, timeout=900)
+    assert result.returncode == 0, result.log[-6000:]
+    flag = {"fsdp1": "is_fsdp1", "fsdp2": "is_fsdp2"}[backend]
+    for r in result.ranks:
+        assert "fatal" not in r, r.get("traceback")
+        assert r["wrapper"][flag], r["wrapper"]
+        assert len(r["checks"]) == 2, r["checks"]  # the first sync (complete), and the one after the step (delta)
+        for version, check in enumerate(r["checks"], start=1):
+            assert check["direct_problems"] == [] and check["logits_problems"] == [], check
+            assert check["model_version"] == version and check["server_weight_version"].endswith(f":v{version}")
+            if r["rank"] == 0:
+                assert check["rollout_worker_version"] == version, check
+        reports = [sync for sync in r["syncs"] if sync["ok"]]
+        assert [sync["complete"] for sync in reports] == [True, False], reports
+        assert all(sync["writer"] == "server:gloo" for sync in reports)
+    _every_worker_checked(result.ranks, workers)
+    main = result.ranks[0]
+    assert [p is not None for p in main["pauses"]] == [True] * 2, main["pauses"]  # one pause per sync, for its write
