@@ -341,10 +341,7 @@ def engine_adapter(worker: Any, adapter_id: int) -> dict[str, tuple[list[torch.T
     """What the worker's LoRA manager holds for `adapter_id`: engine module -> (lora_a per packed part, lora_b per
     packed part), as vLLM keeps them (`lora_b` with the adapter's scaling folded in: `LoRALayerWeights.optimize`).
     For tests and checks; raises KeyError when the manager does not hold the id."""
-    manager = _worker_lora_manager(worker)._adapter_manager
-    lora = manager.get_adapter(adapter_id)
-    if lora is None:
-        raise KeyError(f"the engine's LoRA manager holds no adapter {adapter_id} (it holds {sorted(manager.list_adapters())})")
+    lora, _ = held_adapter(worker, adapter_id)
     out = {}
     for module, weights in lora.loras.items():
         a, b = weights.lora_a, weights.lora_b

@@ -390,9 +390,7 @@ class ServerWriter:
         if len(dtypes) > 1:
             raise VerifyError(f"the server's workers keep adapter {self._adapter_name} in several dtypes: {dtypes}")
         dtype = dtypes[0] if dtypes else str(self.info.dtype).removeprefix("torch.")
-        config = Path(self.checkpoint_dir) / "config.json"
-        architectures = (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
-        model_class = engine_model_class(architectures)
+        model_class = engine_model_class(self._architectures())
         engine = engine_lora_of(model_class, getattr(torch, dtype), vocab_size=None, max_positions=None)
         return [a["digests"] for a in answers], engine
 
@@ -408,9 +406,7 @@ class ServerWriter:
             return manifest
         # NOTE: a server's model cannot be run dry from here (`compat.load_probe`); the loaders this package fixes on
         # the engine side are known by model class, and vLLM's own backends run them unfixed.
-        config = Path(self.checkpoint_dir) / "config.json"
-        architectures = (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
-        gaps = unfixed_reload_gaps(architectures, manifest.tensors)
+        gaps = unfixed_reload_gaps(self._architectures(), manifest.tensors)
         if gaps and "load_gpt_oss_through_weight_loaders" in self.info.engine_fixes:
             logger.info("weight sync: the server's weight-transfer engines load gpt-oss through weight loaders")
             gaps = {}
@@ -623,13 +619,16 @@ class ServerWriter:
             return EngineState("unchanged", note="the round ended before any weight was sent")
         return self.transport.partial_round
 
+    def _architectures(self) -> list[str]:
+        """The `architectures` of the server's checkpoint (empty where its config cannot be read here)."""
+        config = Path(self.checkpoint_dir) / "config.json"
+        return (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
+
     def engine_layout(self) -> EngineLayout:
         # NOTE: the server's parameter names come with its digests (the only route that lists them); read once per
         # plan, when the sync sends only what changed or verifies.
         assert self.client is not None
-        config = Path(self.checkpoint_dir) / "config.json"
-        architectures = (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
-        naming = engine_naming_for_architectures(architectures)
+        naming = engine_naming_for_architectures(self._architectures())
         try:
             checksums = self._plan_checksums = self.client.weight_checksums()
         except ServerRouteMissing as e:
