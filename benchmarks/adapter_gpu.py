@@ -111,7 +111,7 @@ class LoRABuffersWriter(FusedBuffersWriter):
     def adapter_request(self) -> object | None:
         return self._loaded
 
-    def adapter_digests(self) -> tuple[list[dict[str, str]], Any]:
+    def adapter_digests(self) -> tuple[dict[str, dict[str, str]], Any]:
         """The slots of the adapter loaded last, as `SyncConfig(verify=True)` reads an engine's (`lora_b` scaled)."""
         from fsdp_sync.compat.lora_api import EngineLoRA
         from fsdp_sync.digest import tensor_digest
@@ -120,7 +120,7 @@ class LoRABuffersWriter(FusedBuffersWriter):
         for module in sorted(self._targeted):
             digests[f"{module}.lora_a"] = tensor_digest(self.lora_a[module][: self._rank])
             digests[f"{module}.lora_b"] = tensor_digest(self.lora_b[module][:, : self._rank])
-        return [digests], EngineLoRA(self.engine_dtype)
+        return {"": digests}, EngineLoRA(self.engine_dtype)
 
     def adapter_mismatches(self, full: Mapping[str, torch.Tensor], scaling: float) -> list[str]:
         """LoRA modules whose slots differ in any bit from the trainer's full `lora_A` and scaling x `lora_B`

@@ -35,7 +35,8 @@ __all__ = [
     "released_for_reload",
     "transformers_backend",
     "reset_prefix_cache",
-    "split_worker_digests",
+    "worker_digests",
+    "worker_place",
     "wake_up_weights",
 ]
 
@@ -292,6 +293,9 @@ class EngineLayout:
             per expert, converted), so that no digest of the sent bytes can match it; None where unknown (a server).
         lands_in: checkpoint name -> the engine parameters its load writes (the model's loader run dry,
             `load_probe`); None where unknown. `verify` uses it to see a transformed weight the push did not change.
+        shard_rules: where the engine shards weights over workers, each worker's cut of every engine parameter, by
+            the worker's place in its replica (`worker_place` -> engine name -> `tp_shards.ShardRule`, None for a
+            layer whose cut is not known); None where the engine holds every weight whole or cannot say.
     """
 
     naming: EngineNaming
@@ -299,6 +303,7 @@ class EngineLayout:
     no_digests: Exception | None = None
     transformed: frozenset[str] | None = None
     lands_in: Mapping[str, tuple[str, ...]] | None = None
+    shard_rules: Mapping[str, Mapping[str, Any]] | None = None
 
 
 def engine_naming(model: torch.nn.Module) -> EngineNaming:
@@ -314,21 +319,27 @@ def engine_naming_for_architectures(architectures: list[str]) -> EngineNaming:
     return EngineNaming(packed_modules_for_architectures(architectures), engine_name_mapper(cls))
 
 
-def split_worker_digests(checksums: dict[str, str]) -> tuple[list[dict[str, str]], bool]:
-    """vLLM's per-worker digests (`dp0:pp0:pcp0:tp0:<name>`) as one dict per data-parallel replica, and whether
-    weights are sharded over workers (tensor, pipeline or context parallel: a worker holds a part of a weight, which
-    no full tensor's digest can match)."""
-    replicas: dict[str, dict[str, str]] = {}
+def worker_digests(checksums: dict[str, str]) -> tuple[dict[str, dict[str, str]], bool]:
+    """vLLM's per-worker digests (`dp0:pp0:pcp0:tp0:<name>`) as worker -> engine name -> digest (worker `""` for an
+    engine without worker prefixes), and whether the engine shards weights over its workers (tensor, pipeline or
+    context parallel: a worker holds a part of a weight, which only that worker's cut of the full tensor matches)."""
+    workers: dict[str, dict[str, str]] = {}
     sharded = False
     for key, digest in checksums.items():
         parts = key.split(":", 4)
         if len(parts) != 5:  # an engine without worker prefixes
-            replicas.setdefault("", {})[key] = digest
+            workers.setdefault("", {})[key] = digest
             continue
-        dp, pp, pcp, tp, name = parts
-        sharded = sharded or (pp, pcp, tp) != ("pp0", "pcp0", "tp0")
-        replicas.setdefault(dp, {})[name] = digest
-    return list(replicas.values()), sharded
+        *worker, name = parts
+        sharded = sharded or worker[1:] != ["pp0", "pcp0", "tp0"]
+        workers.setdefault(":".join(worker), {})[name] = digest
+    return workers, sharded
+
+
+def worker_place(worker: str) -> str:
+    """A worker's place within its data-parallel replica (`pp0:pcp0:tp1` of `dp1:pp0:pcp0:tp1`): workers at the
+    same place of different replicas hold the same cut of every weight. `""` for an engine without worker prefixes."""
+    return worker.partition(":")[2] if worker.startswith("dp") else worker
 
 
 def released_for_reload(model: torch.nn.Module) -> dict[str, str]:

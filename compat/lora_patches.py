@@ -33,7 +33,6 @@ from typing import Any
 from .lora_api import IN_MEMORY_PATH, Adapter, build_lora_model
 
 __all__ = [
-    "ADAPTER_DIGESTS_METHOD",
     "ADAPTER_VERSIONS_ENV",
     "guard_served_adapters",
     "kept_adapter",
@@ -51,9 +50,6 @@ logger = logging.getLogger(__name__)
 # when newer ones are pushed finish on the weights that started them as long as the version is among the last K.
 ADAPTER_VERSIONS_ENV = "FSDP_VLLM_SYNC_ADAPTER_VERSIONS"
 _PATCHED = "_fvs_in_memory"
-# The worker method this package's gloo backend adds to vLLM's workers (`fsdp_sync.transfer.gloo_worker`): each
-# worker's digests of an adapter version it keeps, asked through the server's `/collective_rpc` development route.
-ADAPTER_DIGESTS_METHOD = "fsdp_vllm_sync_adapter_digests"
 
 # Worker process: name -> the LoRAModel pushed under it, the last `kept_versions()` pushes, oldest first.
 _SERVED: OrderedDict[str, Any] = OrderedDict()

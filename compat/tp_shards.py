@@ -25,7 +25,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShardRule", "expected_shard", "shard_rule", "shard_rules"]
+__all__ = ["SHARD_RULES_METHOD", "ShardRule", "expected_shard", "shard_rule", "shard_rules", "worker_shard_rules"]
+
+# The worker method (on vLLM's `WorkerBase`, added by this package's gloo backend and by the test servers) that
+# answers `worker_shard_rules` through `/collective_rpc`.
+SHARD_RULES_METHOD = "fsdp_vllm_sync_shard_rules"
 
 # A JSON-able description of one worker's cut of one engine parameter:
 #   {"dim": None} whole;
@@ -107,3 +111,11 @@ def shard_rules(model: torch.nn.Module) -> dict[str, ShardRule | None]:
         for leaf, param in module.named_parameters(recurse=False):
             rules[f"{module_name}.{leaf}" if module_name else leaf] = shard_rule(module, param)
     return rules
+
+
+def worker_shard_rules(worker: Any) -> dict[str, Any]:
+    """`SHARD_RULES_METHOD`: this worker's cut of every weight (`shard_rules`), tagged with the worker's own
+    `/weight_checker` prefix (`dp0:pp0:pcp0:tp1`; `""` where vLLM gives none), so that rules and digests pair up
+    whatever order the workers answer in."""
+    prefix = worker._weight_checksum_prefix() if hasattr(worker, "_weight_checksum_prefix") else ""
+    return {"worker": prefix.rstrip(":"), "rules": shard_rules(worker.model_runner.get_model())}

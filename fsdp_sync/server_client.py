@@ -153,19 +153,33 @@ class ServerClient(HTTPVLLMWeightSyncClient):
         from fsdp_sync.compat.vllm_patches import ENGINE_FIXES_METHOD
 
         try:
-            answer = self._request("POST", "collective_rpc", json={"method": ENGINE_FIXES_METHOD})
+            answers = self.collective_rpc(ENGINE_FIXES_METHOD)
         except (ServerConfigError, ServerRequestError):
             return frozenset()
-        workers = [set(w) for w in (answer or {}).get("results", []) if isinstance(w, list)]
+        workers = [set(w) for w in answers if isinstance(w, list)]
         return frozenset(set.intersection(*workers)) if workers else frozenset()
 
-    def adapter_digests(self, name: str) -> list[dict[str, Any]]:
-        """Each worker's digests of the adapter version `name` it keeps to serve (the gloo backend's worker method
-        `compat.lora_patches.ADAPTER_DIGESTS_METHOD`, through `/collective_rpc`), in worker order."""
-        from fsdp_sync.compat.lora_patches import ADAPTER_DIGESTS_METHOD
-
-        answer = self._request("POST", "collective_rpc", json={"method": ADAPTER_DIGESTS_METHOD, "args": [name]})
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        """Run a method of vLLM's workers on every worker (`/collective_rpc`, the development route); the answers
+        of the first data-parallel replica's workers only (vLLM 0.32's `DPLBAsyncMPClient.call_utility_async`)."""
+        answer = self._request("POST", "collective_rpc", json={"method": method, "args": args or []})
         return list((answer or {}).get("results", []))
+
+    def shard_rules(self) -> dict[str, dict[str, Any]]:
+        """Each worker's cut of every weight (`compat.tp_shards.worker_shard_rules`, through `/collective_rpc`), by
+        the worker's place in its replica (`compat.engine_api.worker_place`: `pp0:pcp0:tp1`).
+
+        NOTE: `/collective_rpc` answers with the first data-parallel replica's workers only; the other replicas'
+        workers at the same place hold the same cuts.
+
+        Raises:
+            ServerConfigError, ServerRequestError: the server cannot say (this package's gloo backend is not
+                installed there, or the development routes are off).
+        """
+        from fsdp_sync.compat.engine_api import worker_place
+        from fsdp_sync.compat.tp_shards import SHARD_RULES_METHOD
+
+        return {worker_place(w["worker"]): w["rules"] for w in self.collective_rpc(SHARD_RULES_METHOD)}
 
     def pause(self) -> None:
         """Stop scheduling generation; requests in flight are kept, not aborted (vLLM's `/pause?mode=keep`, what

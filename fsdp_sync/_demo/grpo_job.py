@@ -553,21 +553,30 @@ class ServerChecker:
 
         from fsdp_sync._demo.engine import LOGPROB_PROMPTS, reference_at
 
+        from fsdp_sync._demo.vllm_server import server_replicas
+
         reference = reference_at(full, self.info.dtype)
         problems: list[str] = []
+        # NOTE: every data-parallel replica answers each prompt (vLLM routes a request to the replica its
+        # `X-data-parallel-rank` header names): each replica's weights, or adapter, serve.
+        replicas = server_replicas(self.client.base_url)
         for prompt in LOGPROB_PROMPTS:
             ids = self.trainer.processing_class(prompt)["input_ids"]
-            body = {"model": self.info.served_name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "logprobs": 20,
-                    "return_tokens_as_token_ids": True}  # fmt: skip
-            answer = requests.post(f"{self.client.base_url}/v1/completions", json=body, timeout=120).json()
-            top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
-            engine = {int(token.split(":", 1)[1]): lp for token, lp in top.items()}
             with torch.no_grad():
                 expected = torch.log_softmax(reference(input_ids=torch.tensor([ids])).logits[0, -1].float(), dim=-1)
-            for token in torch.topk(expected, 3).indices.tolist():
-                got = engine.get(token)
-                if got is None or abs(got - expected[token].item()) > 0.15:
-                    problems.append(f"{prompt!r}: token {token} logprob {got} on the server, {expected[token].item():.3f}")
+            body = {"model": self.info.served_name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "logprobs": 20,
+                    "return_tokens_as_token_ids": True}  # fmt: skip
+            for replica in range(replicas):
+                headers = {"X-data-parallel-rank": str(replica)} if replicas > 1 else {}
+                url = f"{self.client.base_url}/v1/completions"
+                answer = requests.post(url, json=body, headers=headers, timeout=120).json()
+                top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+                engine = {int(token.split(":", 1)[1]): lp for token, lp in top.items()}
+                on = f"replica {replica} of the server" if replicas > 1 else "the server"
+                for token in torch.topk(expected, 3).indices.tolist():
+                    got = engine.get(token)
+                    if got is None or abs(got - expected[token].item()) > 0.15:
+                        problems.append(f"{prompt!r}: token {token} logprob {got} on {on}, {expected[token].item():.3f}")
         full.float()
         return problems
 
@@ -705,18 +714,21 @@ class AdapterServerChecker(ServerChecker):
         for key, value, kind, engine_module, slot in _adapter_targets(state, packed):
             expected = value.detach().cpu().to(info.dtype)
             digest = tensor_digest(expected if kind == "lora_A" else expected * scaling)
-            for i, worker in enumerate(workers):
+            for worker in workers:
                 modules = worker["adapters"].get(name, {})
                 held = modules.get(engine_module, {}).get("a" if kind == "lora_A" else "b", [])
                 compared += 1
                 if slot >= len(held) or held[slot] != digest:
-                    problems.append(f"{key}: worker {i}'s {engine_module}[{slot}] of {name} differs from the trainer's")
+                    problems.append(
+                        f"{key}: worker {worker['worker']}'s {engine_module}[{slot}] of {name} differs from the trainer's"
+                    )
         self.records.append(
             {
                 "step": self.trainer.state.global_step,
                 "wrapper": _wrapper_info(self.trainer.model_wrapped),
                 "adapter_id": adapter_id,
                 "workers": len(workers),
+                "worker_tags": [w["worker"] for w in workers],
                 "loaded": [w["ids"] for w in workers],
                 "served": [w["served"] for w in workers],
                 "compared": compared,

@@ -34,6 +34,8 @@ __all__ = [
     "READABLE_WEIGHTS_ENV",
     "VLLMServerProcess",
     "install_readable_weights",
+    "server_adapter_digests",
+    "server_replicas",
     "server_shard_rules",
     "server_weight_digests",
     "server_worker_digests",
@@ -48,8 +50,6 @@ DIGESTS_METHOD = "fvs_test_weight_digests"
 # The workers' digests of the adapters their LoRA manager holds (sha256 of each lora_a / lora_b as vLLM keeps it, by
 # adapter name), and the names each worker serves.
 ADAPTER_DIGESTS_METHOD = "fvs_test_adapter_digests"
-# Each worker's cut of every weight (`compat.tp_shards.shard_rules`), tagged as `/weight_checker` tags its digests.
-SHARD_RULES_METHOD = "fvs_test_shard_rules"
 
 
 def install_readable_weights() -> None:
@@ -60,9 +60,12 @@ def install_readable_weights() -> None:
     from .engine import keep_engine_weights_readable
 
     def set_digests(module: ModuleType) -> None:
+        from fsdp_sync.compat.tp_shards import SHARD_RULES_METHOD, worker_shard_rules
+
         setattr(module.WorkerBase, DIGESTS_METHOD, _worker_digests)
         setattr(module.WorkerBase, ADAPTER_DIGESTS_METHOD, _worker_adapter_digests)
-        setattr(module.WorkerBase, SHARD_RULES_METHOD, _worker_shard_rules)
+        # NOTE: the library's own method (`compat.tp_shards`), also on servers started without the gloo backend.
+        setattr(module.WorkerBase, SHARD_RULES_METHOD, worker_shard_rules)
 
     after_import(
         {
@@ -81,16 +84,12 @@ def _worker_digests(worker: Any) -> dict[str, str]:
     return {name: hashlib.sha256(tensor_bytes(p)).hexdigest() for name, p in model.named_parameters()}
 
 
-def _worker_shard_rules(worker: Any) -> dict[str, Any]:
-    from fsdp_sync.compat.tp_shards import shard_rules
+def _worker_adapter_digests(worker: Any, out_dir: str) -> bool:
+    """Write this worker's adapters (every loaded id's `lora_a`/`lora_b` digests, slot by slot), the ids it has
+    loaded and the names it serves to `out_dir/<worker>.json`.
 
-    # NOTE: the worker's own `/weight_checker` prefix (`dp0:pp0:pcp0:tp1:`), so rules and digests pair up whatever
-    # order the workers answer in.
-    prefix = worker._weight_checksum_prefix() if hasattr(worker, "_weight_checksum_prefix") else ""
-    return {"worker": prefix.rstrip(":"), "rules": shard_rules(worker.model_runner.get_model())}
-
-
-def _worker_adapter_digests(worker: Any) -> dict[str, Any]:
+    NOTE: into a file, not the answer: `/collective_rpc` runs this on every worker of every data-parallel replica
+    but answers with the first replica's only; the test servers share this machine's disk."""
     from fsdp_sync.compat.lora_api import engine_adapter, loaded_adapters
     from fsdp_sync.compat.lora_patches import loaded_adapter_names, served_adapters
     from fsdp_sync.digest import tensor_digest
@@ -105,16 +104,44 @@ def _worker_adapter_digests(worker: Any) -> dict[str, Any]:
                 "a": [tensor_digest(t) if t is not None else None for t in a],
                 "b": [tensor_digest(t) if t is not None else None for t in b],
             }
-    return {"ids": ids, "served": served_adapters(), "adapters": adapters}
+    prefix = worker._weight_checksum_prefix().rstrip(":") if hasattr(worker, "_weight_checksum_prefix") else ""
+    tag = prefix or f"pid{os.getpid()}"
+    answer = {"worker": tag, "ids": ids, "served": served_adapters(), "adapters": adapters}
+    (Path(out_dir) / f"{tag}.json").write_text(json.dumps(answer))
+    return True
 
 
 def server_adapter_digests(base_url: str, timeout: float = 120.0) -> list[dict[str, Any]]:
-    """Each worker's `ADAPTER_DIGESTS_METHOD` answer (a server started by `VLLMServerProcess`, readable weights)."""
+    """Every worker's adapters (`_worker_adapter_digests`), every data-parallel replica's, in worker order (a server
+    started by `VLLMServerProcess` on this machine).
+
+    Raises:
+        AssertionError: fewer workers answered than the server has.
+    """
+    import tempfile
+
     import requests
 
-    answer = requests.post(f"{base_url}/collective_rpc", json={"method": ADAPTER_DIGESTS_METHOD}, timeout=timeout)
-    answer.raise_for_status()
-    return answer.json()["results"]
+    with tempfile.TemporaryDirectory(prefix="fvs-adapters-") as out:
+        answer = requests.post(
+            f"{base_url}/collective_rpc", json={"method": ADAPTER_DIGESTS_METHOD, "args": [out]}, timeout=timeout
+        )
+        answer.raise_for_status()
+        workers = [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))]
+    world = requests.get(f"{base_url}/get_world_size", timeout=timeout).json()["world_size"]
+    assert len(workers) == world, f"{len(workers)} of the server's {world} workers answered: {[w['worker'] for w in workers]}"
+    return workers
+
+
+def server_replicas(base_url: str, timeout: float = 120.0) -> int:
+    """The server's data-parallel replicas (`/get_world_size` with and without them)."""
+    import requests
+
+    def size(include_dp: bool) -> int:
+        answer = requests.get(f"{base_url}/get_world_size", params={"include_dp": include_dp}, timeout=timeout)
+        return int(answer.json()["world_size"])
+
+    return size(True) // size(False)
 
 
 def server_worker_digests(base_url: str, timeout: float = 120.0) -> dict[str, dict[str, str]]:
@@ -149,6 +176,8 @@ def server_shard_rules(
     workers (`SHARD_RULES_METHOD`, servers started here with readable weights).
     """
     import requests
+
+    from fsdp_sync.compat.tp_shards import SHARD_RULES_METHOD
 
     if all(_unsharded(worker) for worker in workers):
         return {worker: {name: {"dim": None} for name in digests} for worker, digests in workers.items()}

@@ -5,23 +5,27 @@ Why digests: they are what vLLM itself exposes for this (`Worker.compute_weight_
 `/weight_checker` route: sha256 of each parameter's bytes), so the engine's weights never travel back. The engine
 fuses some checkpoint tensors into one parameter (its model class's `packed_modules_mapping`, e.g.
 `qkv_proj: [q_proj, k_proj, v_proj]`, concatenated along dim 0); the trainer-side digest of such a parameter hashes
-the parts in that order, streaming, with no concatenated copy. Where the engine cannot show a weight (vLLM-CPU
-repacks linear layers to size 0; fused experts and tensor-parallel shards have no single sent counterpart), the
-weight is reported as unverifiable, by name, never passed silently.
+the parts in that order, streaming, with no concatenated copy. A tensor-parallel worker's digest is of its cut of
+a weight: the sent tensors are hashed as each worker's loader cuts them too (the cuts read from the workers' own
+layers, `compat.tp_shards`), so every worker is compared. Where the engine cannot show a weight (vLLM-CPU repacks
+linear layers to size 0; fused experts have no single sent counterpart; a sharded engine that cannot say how it
+cuts), the weight is reported as unverifiable, by name, never passed silently.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
+from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming, worker_place
 from fsdp_sync.compat.lora_api import Adapter, lora_model, served_lora_tensors
+from fsdp_sync.compat.tp_shards import ShardRule
 
 from ..digest import EMPTY_DIGEST, tensor_bytes, tensor_digest
 from ..distributed import Coordinator, agreed
@@ -51,6 +55,8 @@ class VerifyResult:
         mismatched: engine weights whose digest differs from the sent bytes.
         moved: engine weights the loader transforms, checked to have changed with what was sent for them.
         stale: of those, the ones that kept their previous value although what was sent for them changed.
+        drifted: engine weights this sync did not send (a delta or sparse sync) whose digest changed since the last
+            verified sync (the unchanged ones are counted in `checked`).
         unverifiable: engine weight (or sent tensor) -> why it could not be compared.
     """
 
@@ -58,11 +64,12 @@ class VerifyResult:
     mismatched: list[str] = field(default_factory=list)
     moved: int = 0
     stale: list[str] = field(default_factory=list)
+    drifted: list[str] = field(default_factory=list)
     unverifiable: dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
-        return bool(self.mismatched or self.stale)
+        return bool(self.mismatched or self.stale or self.drifted)
 
     def describe(self, limit: int = 10) -> str:
         parts = []
@@ -78,6 +85,12 @@ class VerifyResult:
                 f"{len(self.stale)} of {self.moved} engine weight(s) the loader transforms kept their previous value "
                 f"although what was sent for them changed: {names}. The engine did not take them (a loader that "
                 "bypasses vLLM's in-place reload leaves the old tensor with no error)."
+            )
+        if self.drifted:
+            names = ", ".join(self.drifted[:limit]) + (" ..." if len(self.drifted) > limit else "")
+            parts.append(
+                f"{len(self.drifted)} engine weight(s) this sync did not send changed since the last verified sync: "
+                f"{names}. Something other than this sync wrote into the engine."
             )
         return " ".join(parts)
 
@@ -96,6 +109,7 @@ class VerifyResult:
 # `o_proj.bias` of the tiny test models). The widening is exact, so its digest is that of the sent values cast to
 # float32, which is accepted as well. Only 1-D tensors (biases, norms: small) get this second hash.
 _WIDENED = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+_WHOLE: ShardRule = {"dim": None}
 
 
 @dataclass
@@ -132,6 +146,12 @@ class _Fused:
                 self.widened.update(widened)
         self.next_part += 1
 
+    def pad(self, elements: int, itemsize: int) -> None:
+        """Zeros after the last part (a worker's vocabulary cut, padded to its partition's rows)."""
+        self.hasher.update(bytes(elements * itemsize))
+        if self.widened is not None:
+            self.widened.update(bytes(elements * 4))
+
     @property
     def complete(self) -> bool:
         return self.next_part == self.parts
@@ -153,10 +173,15 @@ class EngineDigests:
     have changed in the engine too. An unchanged digest there is a stale engine weight, reported like a mismatch (the
     kind of failure gpt-oss's reload showed: every parameter but the expert stacks and sinks updated, with no error).
 
+    Where the engine shards weights over workers (tensor parallel), each worker holds its cut of a weight and its
+    digest is of that cut: each sent tensor is also hashed as each distinct cut of the workers takes it
+    (`EngineLayout.shard_rules`, read from the workers' own layers: `compat.tp_shards`), as it streams.
+
     Args:
         naming: where vLLM loads each checkpoint tensor (the model's renaming and `packed_modules_mapping`).
         transformed: checkpoint names the engine's loader transforms (`EngineLayout.transformed`).
         lands_in: checkpoint name -> engine parameters its load writes (`EngineLayout.lands_in`).
+        shard_rules: worker place -> engine parameter -> its cut (`EngineLayout.shard_rules`); None: whole weights.
     """
 
     def __init__(
@@ -165,10 +190,17 @@ class EngineDigests:
         *,
         transformed: frozenset[str] = frozenset(),
         lands_in: Mapping[str, tuple[str, ...]] | None = None,
+        shard_rules: Mapping[str, Mapping[str, ShardRule | None]] | None = None,
     ) -> None:
         self._naming = naming
         self._transformed = transformed
-        self._entries: dict[str, _Fused] = {}
+        self._rules = shard_rules
+        # (cut, engine parameter) -> the digest of what was sent for it, as that cut takes it ("": whole).
+        self._entries: dict[tuple[str, str], _Fused] = {}
+        # (cut, engine parameter) -> why the sent parts could not be hashed as that cut takes them.
+        self._uncut: dict[tuple[str, str], str] = {}
+        # engine parameter -> the distinct cuts the workers take of it (with shard rules only).
+        self._cuts: dict[str, dict[str, ShardRule]] = {}
         # Engine parameter -> the checkpoint tensors its value is derived from, where that is not the tensor of its
         # own name (those are compared directly).
         self._sources_of: dict[str, list[str]] = {}
@@ -181,7 +213,9 @@ class EngineDigests:
         self._renamed_only = frozenset(naming.parameter(n)[0] for n in self._tracked)
         self._sent: dict[str, str] = {}
         self._sent_before: dict[str, str] = {}
-        self._engine_before: dict[tuple[int, str], str] = {}
+        self._engine_before: dict[tuple[str, str], str] = {}
+        # (worker, engine parameter) whose digest the last verified sync compared and found right.
+        self._verified_before: frozenset[tuple[str, str]] = frozenset()
         self.seconds = 0.0
 
     @classmethod
@@ -193,11 +227,17 @@ class EngineDigests:
         """
         if layout.no_digests is not None:
             raise layout.no_digests
-        return cls(layout.naming, transformed=layout.transformed or frozenset(), lands_in=layout.lands_in)
+        return cls(
+            layout.naming,
+            transformed=layout.transformed or frozenset(),
+            lands_in=layout.lands_in,
+            shard_rules=layout.shard_rules,
+        )
 
     def reset(self) -> None:
         """Before each sync: nothing sent yet (what the last verified sync sent and found is kept)."""
         self._entries = {}
+        self._uncut = {}
         self._sent = {}
         self.seconds = 0.0
 
@@ -205,6 +245,7 @@ class EngineDigests:
         """After a failed sync: what the engine held before is no longer known."""
         self._sent_before = {}
         self._engine_before = {}
+        self._verified_before = frozenset()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         started = time.perf_counter()
@@ -213,38 +254,93 @@ class EngineDigests:
             self._sent[name] = hashlib.sha256(tensor_bytes(tensor)).hexdigest()
         else:
             engine_name, index, parts = self._naming.parameter(name)
-            entry = self._entries.setdefault(engine_name, _Fused(parts))
-            entry.add(index, tensor)
+            for cut, rule in self._cuts_of(engine_name).items():
+                if (cut, engine_name) not in self._uncut:
+                    self._add_cut(cut, rule, engine_name, index, parts, tensor)
         self.seconds += time.perf_counter() - started
 
-    def _moved(self, replica: int, name: str, digest: str) -> bool | None:
+    def _cuts_of(self, engine_name: str) -> dict[str, ShardRule]:
+        """The distinct cuts the engine's workers take of one parameter, by a key of the cut ("": whole)."""
+        if self._rules is None:
+            return {"": _WHOLE}
+        cuts = self._cuts.get(engine_name)
+        if cuts is None:
+            cuts = {}
+            for rules in self._rules.values():
+                rule = rules.get(engine_name)
+                if rule is not None:  # an unknown cut: reported per worker by `compare`
+                    cuts[_cut_key(rule)] = rule
+            self._cuts[engine_name] = cuts
+        return cuts
+
+    def _add_cut(self, cut: str, rule: ShardRule, engine_name: str, index: int, parts: int, tensor: torch.Tensor) -> None:
+        """Hash part `index` of an engine parameter as one cut takes it: narrowed along the cut's dimension; the
+        parts of a fused parameter concatenated, which streams only along dimension 0 (else reported)."""
+        dim = rule["dim"]
+        entry = self._entries.setdefault((cut, engine_name), _Fused(parts))
+        if dim is None:
+            entry.add(index, tensor)
+            return
+        (start, size), pad = rule["parts"][index], (rule.get("rows") or 0) - sum(s for _, s in rule["parts"])
+        if len(rule["parts"]) != parts or (dim != 0 and (parts > 1 or pad > 0)):
+            self._uncut[(cut, engine_name)] = (
+                f"its workers' cut (along dim {dim}, {len(rule['parts'])} part(s), padded: {pad > 0}) is not one "
+                "this check hashes as the parts stream"
+            )
+            return
+        entry.add(index, tensor.narrow(dim, start, size))
+        if entry.complete and pad > 0:
+            entry.pad(pad * (tensor.numel() // max(tensor.shape[0], 1)), tensor.element_size())
+    def _moved(self, worker: str, name: str, digest: str) -> bool | None:
         """Whether an engine parameter that cannot be compared directly changed as its sources did: True (it did),
         False (stale: its sources changed since the last verified sync and it did not), None (cannot tell)."""
         sources = self._sources_of.get(name)
-        before = self._engine_before.get((replica, name))
+        before = self._engine_before.get((worker, name))
         if not sources or before is None or not all(s in self._sent and s in self._sent_before for s in sources):
             return None
         if all(self._sent[s] == self._sent_before[s] for s in sources):
             return None  # nothing it is made of changed: unchanged is right, and proves nothing
         return digest != before
 
-    def compare(self, replicas: Sequence[Mapping[str, str]], *, sharded: bool = False) -> VerifyResult:
-        """Compare with the engine's digests by engine parameter name (worker prefixes removed).
+    def compare(self, workers: Mapping[str, Mapping[str, str]], *, sharded: bool = False) -> VerifyResult:
+        """Compare with the engine's digests by engine parameter name, worker by worker.
 
         Args:
-            replicas: per engine replica (data parallel), engine parameter -> sha256 hex digest as vLLM computes it.
-            sharded: the engine shards weights over workers (tensor/pipeline parallel): nothing can be compared.
+            workers: worker (`dp0:pp0:pcp0:tp0`, `""` untagged) -> engine parameter -> sha256 hex digest as vLLM
+                computes it (of the worker's cut, where the engine shards weights).
+            sharded: the engine shards weights over its workers: each worker's digests are compared with its cut
+                (`shard_rules`); without rules for a worker, none of its weights can be compared.
         """
         result = VerifyResult()
-        for index, engine in enumerate(replicas):
-            tag = f" (replica {index})" if len(replicas) > 1 else ""
+        verified: set[tuple[str, str]] = set()
+        for worker, engine in sorted(workers.items()):
+            tag = f" (worker {worker})" if len(workers) > 1 else ""
+            rules = (self._rules or {}).get(worker_place(worker)) if sharded else None
             for name, digest in sorted(engine.items()):
-                entry = self._entries.get(name)
+                cut = ""
                 if sharded:
-                    result.unverifiable[name + tag] = "the engine shards it over workers (tensor or pipeline parallel)"
-                    continue
-                if entry is None:
-                    moved = self._moved(index, name, digest)
+                    rule = rules.get(name) if rules is not None else None
+                    if rule is None:
+                        result.unverifiable[name + tag] = (
+                            "the engine shards it over workers and did not say how (a server without this "
+                            "package's gloo backend)"
+                            if rules is None
+                            else "the engine shards it with a layer whose cut this check does not know"
+                        )
+                        continue
+                    cut = _cut_key(rule)
+                entry = self._entries.get((cut, name))
+                if (cut, name) in self._uncut:
+                    result.unverifiable[name + tag] = self._uncut[(cut, name)]
+                elif entry is None and (worker, name) in self._verified_before and name not in self._sources_of:
+                    # Not sent by this (delta or sparse) sync: it must still hold what the last verified sync found.
+                    if digest == self._engine_before[(worker, name)]:
+                        result.checked += 1
+                        verified.add((worker, name))
+                    else:
+                        result.drifted.append(name + tag)
+                elif entry is None:
+                    moved = self._moved(worker, name, digest)
                     if moved is not None:
                         result.moved += 1
                         if not moved:
@@ -262,19 +358,28 @@ class EngineDigests:
                     result.unverifiable[name + tag] = "the engine hides it (repacked to size 0, as vLLM-CPU does)"
                 else:
                     result.checked += 1
-                    if not entry.matches(digest):
+                    if entry.matches(digest):
+                        verified.add((worker, name))
+                    else:
                         result.mismatched.append(name + tag)
-            for name in sorted(set(self._entries) - set(engine) - self._renamed_only):
-                result.unverifiable[name + tag] = "sent, but the engine reports no parameter of this name"
-        if not result.mismatched and not result.stale:
+        held = {name for engine in workers.values() for name in engine}
+        for name in sorted({name for _, name in self._entries} - held - self._renamed_only):
+            result.unverifiable[name] = "sent, but the engine reports no parameter of this name"
+        if not result.failed:
             self._sent_before.update(self._sent)
-            self._engine_before = {(i, n): d for i, engine in enumerate(replicas) for n, d in engine.items()}
+            self._engine_before = {(w, n): d for w, engine in workers.items() for n, d in engine.items()}
+            self._verified_before = frozenset(verified)
         return result
+
+
+def _cut_key(rule: ShardRule) -> str:
+    """A key that is the same for the same cut of any worker ("" for a whole weight)."""
+    return "" if rule.get("dim") is None else json.dumps(rule, sort_keys=True)
 
 
 def verify_push(
     coordinator: Coordinator,
-    engine_digests: Callable[[], tuple[list[dict[str, str]], bool]],
+    engine_digests: Callable[[], tuple[dict[str, dict[str, str]], bool]],
     digests: EngineDigests | None,
     pushed: EngineState | None,
 ) -> VerifyResult:
@@ -292,8 +397,8 @@ def verify_push(
         if digests is None:
             return VerifyResult()
         fault_point("verify")
-        replicas, sharded = engine_digests()
-        result = digests.compare(replicas, sharded=sharded)
+        workers, sharded = engine_digests()
+        result = digests.compare(workers, sharded=sharded)
         if result.failed:
             raise VerifyError(result.describe())
         return result
@@ -307,12 +412,13 @@ def verify_push(
     return agreed(coordinator, "verify", work, failed)
 
 
-def compare_adapter(expected: Mapping[str, str], workers: Sequence[Mapping[str, str]]) -> VerifyResult:
+def compare_adapter(expected: Mapping[str, str], workers: Mapping[str, Mapping[str, str]]) -> VerifyResult:
     """Compare the digests of an adapter as sent (`expected`: `<module>.lora_a`/`.lora_b` -> sha256, the scaling
-    folded into `lora_b` as the engine folds it) with each worker's (or engine's) digests of the adapter it keeps."""
+    folded into `lora_b` as the engine folds it) with each worker's (or engine's) digests of the adapter it keeps
+    (`workers`: worker tag -> digests)."""
     result = VerifyResult()
-    for index, held in enumerate(workers):
-        tag = f" (worker {index})" if len(workers) > 1 else ""
+    for worker, held in sorted(workers.items()):
+        tag = f" (worker {worker})" if len(workers) > 1 else ""
         for key in sorted(expected.keys() | held.keys()):
             if key not in held:
                 result.mismatched.append(f"{key}{tag}: sent, but the engine's adapter has no such tensor")

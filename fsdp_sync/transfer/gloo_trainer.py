@@ -9,6 +9,7 @@ leaves it open for `commit`). Staging is a declared capability (`fsdp_sync.trans
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from .gloo_wire import (
+    ANSWER_METHOD,
     DATA,
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -38,6 +40,7 @@ from .gloo_wire import (
     GlooUpdateInfo,
     GlooWorkerInitInfo,
     broadcast,
+    gather_to_sender,
     join,
     listen,
     nbytes,
@@ -323,6 +326,36 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._wait(in_flight[0])
         for name, _ in stream:  # the metadata was shorter than the stream
             raise ValueError(f"the weight stream yielded {name!r} after the {len(meta)} announced tensors")
+
+    def ask_workers(self, question: str, *args: Any) -> list[dict[str, Any]]:
+        """Every server worker's answer to `question` (the worker side's `answer_over_transfer`: e.g.
+        `"adapter_digests"`), in transfer-rank order, each `{"worker": "dp1:pp0:pcp0:tp0", "answer": ...}`.
+
+        Why over the group: vLLM's `/collective_rpc` runs a method on every worker of every data-parallel replica
+        but answers with the first replica's only (vLLM 0.32's `DPLBAsyncMPClient.call_utility_async`); here each
+        worker sends its answer to this rank itself. The route's own failure (an older server without the method)
+        is raised at once.
+
+        Raises:
+            RuntimeError: a worker could not answer (each such worker named, with its error).
+        """
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialized (trainer_init failed or was not called).")
+        group = self.group
+        pool = ThreadPoolExecutor(max_workers=2)
+        try:
+            answer = pool.submit(self.client.collective_rpc, ANSWER_METHOD, [question, list(args)])
+            gathered = pool.submit(gather_to_sender, group, b"", self._wait)
+            _first_failure([answer, gathered], _left(self.timeout_s + 10, self.deadline), f"the workers' {question}")
+        finally:
+            pool.shutdown(wait=False)
+        payloads = gathered.result()
+        assert payloads is not None
+        answers = [json.loads(p) for p in payloads[1:]]  # rank 0 is this sender
+        failed = [f"{a['worker'] or i}: {a['error']}" for i, a in enumerate(answers) if "error" in a]
+        if failed:
+            raise RuntimeError(f"the server's workers could not answer {question}: {'; '.join(failed)}")
+        return answers
 
     # --- staging (`fsdp_sync.transfer.staging.StagedTransfer`) ---
 

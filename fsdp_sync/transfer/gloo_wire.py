@@ -12,6 +12,8 @@ the group:
   receive loop (`received_chunks`) raises `UpdateAborted` at once instead of waiting for the timeout.
 - a sparse update (`counts` given): each tensor travels as three segments (`GlooUpdateInfo.segment_sizes`: changes
   per block, low index bits, values; `fsdp_sync.patch_codec`), chunked the same way.
+- answers (`gather_to_sender`): the other way, each worker's few bytes (a JSON answer) to rank 0: every worker of
+  every data-parallel replica answers, which vLLM's `/collective_rpc` does not return (first replica only).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, Weight
 __all__ = [
     "ABORT",
     "ALIGN",
+    "ANSWER_METHOD",
     "DATA",
     "DEFAULT_BUFFER_BYTES",
     "DEFAULT_TIMEOUT_S",
@@ -41,6 +44,7 @@ __all__ = [
     "GlooWorkerInitInfo",
     "UpdateAborted",
     "broadcast",
+    "gather_to_sender",
     "join",
     "listen",
     "nbytes",
@@ -59,6 +63,9 @@ ALIGN = 64
 TRAILER = ALIGN
 DATA, ABORT = 1, 2
 STAGE_RECEIVE, STAGE_APPLY = "receive", "apply"
+# The worker method (on vLLM's `WorkerBase`, added by the worker side) that answers a question over the group
+# (`gather_to_sender`), called on every worker through `/collective_rpc`.
+ANSWER_METHOD = "fsdp_vllm_sync_answer"
 _STORE_PREFIX = "fsdp_vllm_sync/gloo"
 
 
@@ -260,3 +267,23 @@ def send_abort(
     if in_flight is not None:
         wait(in_flight)
     wait(broadcast(group, buffer))
+
+
+def gather_to_sender(group: dist.ProcessGroupGloo, payload: bytes, wait: Callable[[Any], None]) -> list[bytes] | None:
+    """Every rank's `payload` to rank 0, in rank order (None on the other ranks): the sizes all-gathered, then the
+    payloads, padded to the longest, gathered. Every wait goes through `wait` (the caller's bound)."""
+    world, rank = group.size(), group.rank()
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    wait(group.allgather([sizes], [size]))
+    longest = max(1, max(int(s) for s in sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    options = dist.GatherOptions()
+    options.rootRank = 0
+    received = [[torch.empty(longest, dtype=torch.uint8) for _ in range(world)]] if rank == 0 else []
+    wait(group.gather(received, [mine], options))
+    if rank != 0:
+        return None
+    return [bytes(t[: int(n)].numpy()) for t, n in zip(received[0], sizes)]

@@ -296,8 +296,8 @@ class _AdapterRound:
 
 
 def adapter_digests(worker: Any, name: str) -> dict[str, Any]:
-    """`compat.lora_patches.ADAPTER_DIGESTS_METHOD` (what `SyncConfig(verify=True)` asks each worker after an
-    adapter sync, through `/collective_rpc`): sha256 of each tensor of the adapter version `name` as this worker keeps it to serve
+    """The question `"adapter_digests"` (`answer_over_transfer`: what `SyncConfig(verify=True)` asks every worker
+    after an adapter sync): sha256 of each tensor of the adapter version `name` as this worker keeps it to serve
     (`compat.lora_api.served_lora_tensors`), and the dtype it holds them in; `held` False where it keeps no such
     version (with the versions it keeps)."""
     from fsdp_sync.compat.lora_api import served_lora_tensors
@@ -312,14 +312,46 @@ def adapter_digests(worker: Any, name: str) -> dict[str, Any]:
     return {"held": True, "dtypes": dtypes, "digests": {key: tensor_digest(t) for key, t in tensors.items()}}
 
 
+def answer_over_transfer(worker: Any, question: str, args: list[Any]) -> bool:
+    """`gloo_wire.ANSWER_METHOD`: answer `question` (`_QUESTIONS`) and send the answer to the trainer over the
+    transfer group (the trainer's `ask_workers`), tagged with this worker's `/weight_checker` prefix. A question
+    that fails is answered with its error, so that the group's gather never waits for this worker."""
+    import json
+    from datetime import timedelta
+
+    from .gloo_wire import gather_to_sender
+
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is None or engine.group is None:
+        raise RuntimeError("gloo weight transfer is not initialized; call /init_weight_transfer_engine first.")
+    prefix = worker._weight_checksum_prefix().rstrip(":") if hasattr(worker, "_weight_checksum_prefix") else ""
+    try:
+        answer: dict[str, Any] = {"worker": prefix, "answer": _QUESTIONS[question](worker, *args)}
+    except Exception as e:  # noqa: BLE001 - sent to the trainer, which raises it with every worker's
+        answer = {"worker": prefix, "error": f"{type(e).__name__}: {e}"}
+    timeout = timedelta(seconds=engine.timeout_s)
+    gather_to_sender(engine.group, json.dumps(answer).encode(), lambda work: work.wait(timeout))
+    return True
+
+
+# The questions `answer_over_transfer` answers, by name.
+_QUESTIONS = {"adapter_digests": adapter_digests}
+
+
 def _add_worker_methods() -> None:
-    """Give vLLM's workers `ADAPTER_DIGESTS_METHOD` (idempotent). NOTE: a method on vLLM's `WorkerBase`, the class
-    `/collective_rpc` calls methods of by name (vLLM 0.28-0.32); nothing else of the worker is changed."""
+    """Give vLLM's workers what `SyncConfig(verify=True)` asks them (idempotent): `SHARD_RULES_METHOD` (each
+    worker's cut of every weight, for a tensor-parallel server's digests) and `ANSWER_METHOD` (an answer sent over
+    the transfer group, from every data-parallel replica: the adapter's digests). NOTE: methods
+    on vLLM's `WorkerBase`, the class `/collective_rpc` calls methods of by name (vLLM 0.28-0.32); nothing else of
+    the worker is changed."""
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from fsdp_sync.compat.lora_patches import ADAPTER_DIGESTS_METHOD
+    from fsdp_sync.compat.tp_shards import SHARD_RULES_METHOD, worker_shard_rules
 
-    setattr(WorkerBase, ADAPTER_DIGESTS_METHOD, adapter_digests)
+    from .gloo_wire import ANSWER_METHOD
+
+    setattr(WorkerBase, SHARD_RULES_METHOD, worker_shard_rules)
+    setattr(WorkerBase, ANSWER_METHOD, answer_over_transfer)
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpdateInfo]):

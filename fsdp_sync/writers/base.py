@@ -67,9 +67,10 @@ class EngineWriter(Protocol):
         plan, by the delta grouping and by `verify`)."""
         ...
 
-    def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
-        """The engine's own sha256 digests per parameter, one dict per engine replica, and whether the engine
-        shards weights over workers (then none can be compared)."""
+    def engine_digests(self) -> tuple[dict[str, dict[str, str]], bool]:
+        """The engine's own sha256 digests per parameter, per worker (`dp0:pp0:pcp0:tp0` as vLLM tags them; `""`
+        for an engine without worker tags), and whether the engine shards weights over its workers (then each
+        worker's digests are of its cut, compared through `EngineLayout.shard_rules`)."""
         ...
 
 
@@ -146,8 +147,9 @@ class AdapterWriter(Protocol):
         """The `LoRARequest` of the adapter loaded last (None before the first)."""
         ...
 
-    def adapter_digests(self) -> tuple[list[dict[str, str]], EngineLoRA]:
-        """The adapter loaded last as the engine keeps it to serve, per worker (`<module>.lora_a`/`.lora_b` ->
+    def adapter_digests(self) -> tuple[dict[str, dict[str, str]], EngineLoRA]:
+        """The adapter loaded last as the engine keeps it to serve, per worker (worker tag, `""` for an in-process
+        engine -> `<module>.lora_a`/`.lora_b` ->
         sha256, `compat.lora_api.served_lora_tensors`), and how the engine builds an adapter (its LoRA dtype and
         names), for `SyncConfig(verify=True)`."""
         ...

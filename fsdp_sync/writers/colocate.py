@@ -25,7 +25,8 @@ from fsdp_sync.compat.engine_api import (
     engine_naming,
     released_for_reload,
     reset_prefix_cache,
-    split_worker_digests,
+    worker_digests,
+    worker_place,
     wake_up_weights,
 )
 from fsdp_sync.compat.lora_api import (
@@ -104,12 +105,12 @@ class ColocateWriter:
     def adapter_request(self) -> object | None:
         return adapter_request(self._adapter.adapter_id, self._adapter.name) if self._adapter is not None else None
 
-    def adapter_digests(self) -> tuple[list[dict[str, str]], EngineLoRA]:
+    def adapter_digests(self) -> tuple[dict[str, dict[str, str]], EngineLoRA]:
         """Read back from this process's LoRA manager: the adapter it registered last, as generation uses it."""
         assert self._adapter is not None, "no adapter was loaded"
         lora, packed = held_adapter(self.handle.worker, self._adapter.adapter_id)
         digests = {key: tensor_digest(t) for key, t in served_lora_tensors(lora, packed).items()}
-        return [digests], worker_engine_lora(self.handle.worker)
+        return {"": digests}, worker_engine_lora(self.handle.worker)
 
     def _read(self) -> tuple[EngineManifest, dict[str, Landing]]:
         """The engine's checkpoint and where its model's loader puts each tensor (read and probed once: parameter
@@ -245,15 +246,25 @@ class ColocateWriter:
         lands_in = {
             name: tuple(sorted({*landing.loaders, *(c.param for c in landing.copies)})) for name, landing in known.items()
         }
-        return EngineLayout(engine_naming(model), modules, transformed=transformed, lands_in=lands_in)
+        rules = None
+        if self.handle.tensor_parallel:  # this rank's engine holds its tensor-parallel rank's cut of each weight
+            from fsdp_sync.compat.tp_shards import shard_rules
+
+            rules = {worker_place(self._worker()): shard_rules(model)}
+        return EngineLayout(engine_naming(model), modules, transformed=transformed, lands_in=lands_in, shard_rules=rules)
+
+    def _worker(self) -> str:
+        """This engine's worker as its digests name it (`dp0:pp0:pcp0:tp1`; `""` where vLLM gives no prefix)."""
+        prefix = getattr(self.handle.worker, "_weight_checksum_prefix", None)
+        return prefix().rstrip(":") if prefix is not None else ""
 
     def _sent_dtype(self, checkpoint: EngineManifest, name: str) -> torch.dtype:
         stored = checkpoint.tensors[name].dtype
         return self.engine_dtype if self.engine_dtype is not None and stored.is_floating_point else stored
 
-    def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
+    def engine_digests(self) -> tuple[dict[str, dict[str, str]], bool]:
         compute = getattr(self.handle.worker, "compute_weight_checksums", None)
         if compute is not None:  # vLLM's own (the `/weight_checker` route's source; vLLM 0.32)
-            return split_worker_digests(compute())
+            return worker_digests(compute())
         digests = {name: hashlib.sha256(tensor_bytes(p)).hexdigest() for name, p in self.handle.model.named_parameters()}
-        return [digests], self.handle.tensor_parallel
+        return {"": digests}, self.handle.tensor_parallel

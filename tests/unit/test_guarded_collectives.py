@@ -51,6 +51,9 @@ OUTSIDE: dict[tuple[str, str], str] = {
     ("distributed.py", "destroy_process_group"): "the sync's own groups destroyed (an abort, or at exit)",
     ("transfer/gloo_wire.py", "broadcast"): "the transfer group between rank 0 and a server (no other training rank); "
     "bounded by the writer's deadline (`sync_timeout_s`), docs/server.md",
+    ("transfer/gloo_wire.py", "allgather"): "the transfer group's answers (`gather_to_sender`, its sizes, then its "
+    "gather: rank 0 and a server's workers, no other training rank); bounded by the writer's deadline "
+    "(`sync_timeout_s`)",
     ("full_weights.py", "summon_full_params"): "FSDP1's own all-gathers (`full_state`, outside a sync): bounded by "
     "the training group's timeout only",
     ("full_weights.py", "unshard"): "FSDP2's own all-gathers (`full_state`, outside a sync): the training group's "

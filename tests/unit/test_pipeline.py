@@ -638,7 +638,7 @@ class DigestWriter(FakeWriter):
     def engine_layout(self) -> EngineLayout:
         return EngineLayout(EngineNaming())
 
-    def engine_digests(self) -> tuple[list[dict[str, str]], bool]:
+    def engine_digests(self) -> tuple[dict[str, dict[str, str]], bool]:
         import hashlib
 
         from fsdp_sync.sync.verify import tensor_bytes
@@ -648,7 +648,7 @@ class DigestWriter(FakeWriter):
             engine[self.tamper].view(-1)[0] += 1
         if self.hide is not None:
             engine[self.hide] = engine[self.hide][:0]
-        return [{name: hashlib.sha256(tensor_bytes(t)).hexdigest() for name, t in engine.items()}], False
+        return {"": {name: hashlib.sha256(tensor_bytes(t)).hexdigest() for name, t in engine.items()}}, False
 
 
 def test_verify_passes_an_exact_engine_and_reports_hidden_weights() -> None:
@@ -681,7 +681,7 @@ def test_engine_digests_hash_fused_parts_in_engine_order_whatever_the_arrival_or
     for name, t in (("k_proj", k), ("q_proj", q), ("v_proj", v)):
         digests.add(f"{prefix}.{name}.weight", t)
     fused = hashlib.sha256(tensor_bytes(torch.cat([q, k, v]))).hexdigest()
-    result = digests.compare([{f"{prefix}.qkv_proj.weight": fused}])
+    result = digests.compare({"": {f"{prefix}.qkv_proj.weight": fused}})
     assert result.checked == 1 and result.mismatched == [] and result.unverifiable == {}
 
 
@@ -705,11 +705,11 @@ def test_engine_digests_accept_a_16_bit_bias_the_engine_widened_to_float32_and_n
         return hashlib.sha256(tensor_bytes(t)).hexdigest()
 
     widened = torch.cat([q, k, v]).float()
-    ok = digests.compare([{f"{prefix}.qkv_proj.bias": sha(widened), f"{prefix}.o_proj.weight": sha(w)}])
+    ok = digests.compare({"": {f"{prefix}.qkv_proj.bias": sha(widened), f"{prefix}.o_proj.weight": sha(w)}})
     assert ok.checked == 2 and ok.mismatched == []
     wrong = widened.clone()
     wrong[5] += 1
-    bad = digests.compare([{f"{prefix}.qkv_proj.bias": sha(wrong), f"{prefix}.o_proj.weight": sha(w.float())}])
+    bad = digests.compare({"": {f"{prefix}.qkv_proj.bias": sha(wrong), f"{prefix}.o_proj.weight": sha(w.float())}})
     assert bad.mismatched == [f"{prefix}.o_proj.weight", f"{prefix}.qkv_proj.bias"]
 
 
@@ -733,3 +733,39 @@ def test_report_figures_typed_per_mode_read_as_attributes_with_defaults() -> Non
     assert adapter.adapter_id == 7 and adapter.complete and adapter.metrics()["weight_sync/adapter_id"] == 7.0
     with pytest.raises(AttributeError):
         report.no_such_figure  # noqa: B018
+
+
+def test_engine_digests_check_what_a_delta_sync_did_not_send_against_the_last_verified_sync() -> None:
+    """A delta (or sparse) sync sends part of the weights: the others must still hold what the last verified sync
+    found, so they are compared with that (counted as checked), and one that changed behind the sync fails
+    `verify` by name; never "unverifiable" for merely not being sent. After a failed sync nothing is carried."""
+    import hashlib
+
+    from fsdp_sync.sync.verify import EngineDigests, tensor_bytes
+
+    def sha(t: torch.Tensor) -> str:
+        return hashlib.sha256(tensor_bytes(t)).hexdigest()
+
+    a, b = torch.randn(4, 4), torch.randn(4)
+    digests = EngineDigests(EngineNaming())
+    digests.add("a.weight", a)
+    digests.add("b.weight", b)
+    engine = {"w0": {"a.weight": sha(a), "b.weight": sha(b)}, "w1": {"a.weight": sha(a), "b.weight": sha(b)}}
+    assert digests.compare(engine).checked == 4
+    digests.reset()
+    a2 = a + 1
+    digests.add("a.weight", a2)  # the delta sync sends a only
+    later = {w: {"a.weight": sha(a2), "b.weight": sha(b)} for w in engine}
+    result = digests.compare(later)
+    assert (result.checked, result.unverifiable, result.failed) == (4, {}, False)
+    digests.reset()
+    digests.add("a.weight", a2)
+    behind = {"w0": later["w0"], "w1": {"a.weight": sha(a2), "b.weight": sha(b + 1)}}
+    drifted = digests.compare(behind)
+    assert drifted.drifted == ["b.weight (worker w1)"] and drifted.failed
+    assert "did not send changed since the last verified sync: b.weight (worker w1)" in drifted.describe()
+    digests.forget()
+    digests.reset()
+    digests.add("a.weight", a2)
+    unknown = digests.compare(later)
+    assert unknown.checked == 2 and set(unknown.unverifiable) == {"b.weight (worker w0)", "b.weight (worker w1)"}

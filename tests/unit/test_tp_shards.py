@@ -143,3 +143,78 @@ def test_the_per_worker_check_compares_each_shard_and_names_what_differs() -> No
     assert len(problems) == 2 and all("not known" in p for p in problems), problems
     _, problems = worker_digest_check(workers, {}, checkpoint, packed, torch.float32)
     assert len(problems) == 2 and all("did not say" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(("size", "kv_heads"), [(2, 1), (4, 2)])
+def test_verify_hashes_each_workers_cut_as_the_full_tensors_stream(as_worker, size: int, kv_heads: int) -> None:
+    """`SyncConfig(verify=True)` on a tensor-parallel engine (`EngineDigests` with the workers' shard rules): the
+    full tensors, sent one by one (fused parts out of order), are hashed as every worker's loader cuts them, and
+    every worker's digest of what its own layers loaded matches (q/k/v and gate/up packed, a row layer cut along its
+    columns, a padded vocabulary). A worker holding another cut, or the whole tensor, is a mismatch named with the
+    worker; a sharded engine that gives no cuts is unverifiable, never a pass."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from fsdp_sync.compat.engine_api import EngineNaming
+    from fsdp_sync.digest import tensor_digest
+    from fsdp_sync.sync.verify import EngineDigests
+
+    torch.manual_seed(0)
+    hidden, head, heads, inter, vocab = 128, 32, 4, 96, 100
+    sent = {
+        "l.q_proj.weight": torch.randn(heads * head, hidden), "l.k_proj.weight": torch.randn(kv_heads * head, hidden),
+        "l.v_proj.weight": torch.randn(kv_heads * head, hidden), "l.q_proj.bias": torch.randn(heads * head),
+        "l.k_proj.bias": torch.randn(kv_heads * head), "l.v_proj.bias": torch.randn(kv_heads * head),
+        "l.gate_proj.weight": torch.randn(inter, hidden), "l.up_proj.weight": torch.randn(inter, hidden),
+        "l.down_proj.weight": torch.randn(hidden, inter), "l.down_proj.bias": torch.randn(hidden),
+        "lm_head.weight": torch.randn(vocab, hidden),
+    }  # fmt: skip
+    workers: dict[str, dict[str, str]] = {}
+    rules: dict[str, dict] = {}
+    for rank in range(size):
+        as_worker(rank, size)
+        kw = {"params_dtype": torch.float32}
+        model = torch.nn.Module()
+        model.l = torch.nn.Module()
+        model.l.qkv_proj = QKVParallelLinear(hidden, head, heads, kv_heads, bias=True, **kw)
+        model.l.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=False, **kw)
+        model.l.down_proj = RowParallelLinear(inter, hidden, bias=True, **kw)
+        model.lm_head = ParallelLMHead(vocab, hidden, **kw)
+        for part in ("q", "k", "v"):
+            for leaf in ("weight", "bias"):
+                param = getattr(model.l.qkv_proj, leaf)
+                param.weight_loader(param, sent[f"l.{part}_proj.{leaf}"], part)
+        for i, part in enumerate(("gate", "up")):
+            param = model.l.gate_up_proj.weight
+            param.weight_loader(param, sent[f"l.{part}_proj.weight"], i)
+        for name in ("l.down_proj.weight", "l.down_proj.bias", "lm_head.weight"):
+            param = model.get_parameter(name)
+            param.weight_loader(param, sent[name])
+        place = f"pp0:pcp0:tp{rank}"
+        rules[place] = shard_rules(model)
+        workers[f"dp0:{place}"] = {name: tensor_digest(p.data) for name, p in model.named_parameters()}
+
+    naming = EngineNaming({"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]})
+
+    def streamed(shard_rules_by_place: dict | None) -> EngineDigests:
+        digests = EngineDigests(naming, shard_rules=shard_rules_by_place)
+        for name in sorted(sent, reverse=True):  # v before k before q, up before gate
+            digests.add(name, sent[name])
+        return digests
+
+    result = streamed(rules).compare(workers, sharded=True)
+    assert result.mismatched == [] and result.unverifiable == {}, (result.mismatched, result.unverifiable)
+    assert result.checked == 6 * size  # qkv weight and bias, gate_up, down weight and bias, lm_head: per worker
+    assert len({d["l.qkv_proj.weight"] for d in workers.values()}) == size, "the workers hold different cuts"
+
+    tp1 = "dp0:pp0:pcp0:tp1"
+    tp0_gate_up = workers["dp0:pp0:pcp0:tp0"]["l.gate_up_proj.weight"]
+    swapped = {**workers, tp1: {**workers[tp1], "l.gate_up_proj.weight": tp0_gate_up}}
+    held_whole = {**workers, tp1: {**workers[tp1], "lm_head.weight": tensor_digest(sent["lm_head.weight"])}}
+    assert streamed(rules).compare(swapped, sharded=True).mismatched == [f"l.gate_up_proj.weight (worker {tp1})"]
+    assert streamed(rules).compare(held_whole, sharded=True).mismatched == [f"lm_head.weight (worker {tp1})"]
+
+    blind = streamed(None).compare(workers, sharded=True)
+    assert blind.checked == 0 and blind.mismatched == []
+    assert len(blind.unverifiable) == sum(len(d) for d in workers.values())
+    assert all("did not say how" in why for why in blind.unverifiable.values())
