@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Measurement", "RssPeak", "measure", "wrap_fsdp"]
+__all__ = ["Measurement", "RssPeak", "measure", "server_writer", "wrap_fsdp"]
 
 
 class RssPeak:
@@ -130,3 +130,21 @@ def answer_rounds_locally(coordinator: Any) -> None:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def server_writer(base_url: str, rank: int, group_port: int) -> Any:
+    """The library's `ServerWriter` for one trainer rank of a server benchmark, with `SyncConfig()`'s bounds and
+    buffer (rank 0 talks to the server; the other ranks only gather)."""
+    from fsdp_sync.config import SyncConfig
+    from fsdp_sync.server_client import ServerClient
+    from fsdp_sync.writers.server import ServerWriter
+
+    config = SyncConfig()
+    client = ServerClient(base_url, timeout=config.server_timeout_s)
+    return ServerWriter(
+        client if rank == 0 else None,
+        client.server_info(),
+        group_port=group_port,
+        buffer_bytes=config.server_buffer_bytes,
+        timeout_s=config.server_timeout_s,
+    )

@@ -50,23 +50,13 @@ def _measure_backend(
     from fsdp_sync.gather import make_gatherer
     from fsdp_sync.memory import MemoryMeter
     from fsdp_sync.sync.pipeline import WeightSync
-    from fsdp_sync.server_client import ServerClient
-    from fsdp_sync.writers.server import ServerWriter
-
+    from .common import server_writer
     from .cpu import _train_step
     from .trl_path import _generation_stub
 
     device = torch.device("cpu")
     config = SyncConfig()
-    client = ServerClient(base_url, timeout=config.server_timeout_s)
-    info = client.server_info()
-    writer = ServerWriter(
-        client if rank == 0 else None,
-        info,
-        group_port=group_port,
-        buffer_bytes=config.server_buffer_bytes,
-        timeout_s=config.server_timeout_s,
-    )
+    writer = server_writer(base_url, rank, group_port)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     held_by_trl = model
     wrapped = wrap_fsdp(model, backend, device)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .common import wrap_fsdp
+from .common import server_writer, wrap_fsdp
 from .sparse import LEARNING_RATES, _model, _train_step
 
 
@@ -43,19 +43,8 @@ def sparse_sync_worker(
         keep_cpu_linear_weights()
         writer: Any = ColocateWriter(_engine(model_dir))
     else:
-        from fsdp_sync.server_client import ServerClient
-        from fsdp_sync.writers.server import ServerWriter
-
         assert base_url is not None
-        config = SyncConfig()
-        client = ServerClient(base_url, timeout=config.server_timeout_s)
-        writer = ServerWriter(
-            client if rank == 0 else None,
-            client.server_info(),
-            group_port=port,
-            buffer_bytes=config.server_buffer_bytes,
-            timeout_s=config.server_timeout_s,
-        )
+        writer = server_writer(base_url, rank, port)
     rows: list[dict[str, Any]] = []
     for lr in LEARNING_RATES:
         model = _model(model_name, device)

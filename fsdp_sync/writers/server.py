@@ -383,7 +383,13 @@ class ServerWriter:
             VerifyError: a worker keeps no such version.
         """
         assert self._engine is not None and self._adapter_name is not None, "no adapter was loaded"
-        answers = {a["worker"] or str(i): a["answer"] for i, a in enumerate(self._engine.ask_workers("adapter_digests", self._adapter_name))}
+        try:
+            asked = self._engine.ask_workers("adapter_digests", self._adapter_name)
+        except Exception:
+            # NOTE: a question not answered may leave the group mid-collective: set the transfer up again next sync.
+            self._drop_transfer()
+            raise
+        answers = {a["worker"] or str(i): a["answer"] for i, a in enumerate(asked)}
         missing = [f"worker {w} (it keeps {a.get('kept')})" for w, a in answers.items() if not a.get("held")]
         if missing or not answers:
             raise VerifyError(f"the server keeps no adapter {self._adapter_name} on {', '.join(missing) or 'any worker'}")

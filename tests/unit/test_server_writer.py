@@ -25,7 +25,7 @@ from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.sync.verify import EMPTY_DIGEST
 from fsdp_sync.server_client import ServerConfigError, ServerRequestError
 from fsdp_sync._demo.dist import free_port
-from fsdp_sync.transfer import gloo, gloo_trainer, gloo_wire
+from fsdp_sync.transfer import gloo, gloo_trainer, gloo_wire, gloo_worker
 from fsdp_sync.writers import server as server_writer
 from fsdp_sync.writers.server import ServerPushError, ServerTransportError, ServerWriter, transport_for
 
@@ -302,6 +302,64 @@ def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
     for (name, got), want in zip(received, tensors.values()):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
     assert len(loaded) == len(gloo.plan_chunks([t.numel() * t.element_size() for t in tensors.values()], 512))
+
+
+class _AnsweringServer:
+    """A stand-in for `/collective_rpc` only: runs `gloo_worker.answer_over_transfer` on each of its workers (each
+    a real gloo rank of the transfer group, on a thread of its own, as vLLM runs the method on every worker of every
+    replica) and answers with the first worker's result only, as vLLM does for a data-parallel server."""
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.workers = workers
+
+    def collective_rpc(self, method: str, args: list[Any]) -> list[Any]:
+        assert method == gloo_wire.ANSWER_METHOD
+        results: list[Any] = [None] * len(self.workers)
+
+        def run(i: int) -> None:
+            results[i] = gloo_worker.answer_over_transfer(self.workers[i], *args)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(self.workers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return results[:1]
+
+
+def test_every_worker_answers_over_the_transfer_group_even_where_the_route_answers_for_one() -> None:
+    """`ask_workers`: each worker's answer (of a different length, tagged with its `/weight_checker` prefix)
+    reaches the trainer over a real gloo group, in transfer-rank order, though the route itself answers for the
+    first worker only; a question one worker cannot answer fails, naming that worker and its error, without
+    waiting for the group's timeout."""
+    port = free_port()
+    host = gloo_wire.listen("127.0.0.1", port, 3, timeout_s=30)
+    tags = ["dp0:pp0:pcp0:tp0", "dp1:pp0:pcp0:tp0"]
+    workers: list[Any] = []
+    for tag in tags:
+        engine = SimpleNamespace(group=None, timeout_s=30)
+        workers.append(SimpleNamespace(weight_transfer_engine=engine, _weight_checksum_prefix=lambda t=tag: t + ":"))
+    opened = [threading.Thread(target=lambda i=i: setattr(workers[i].weight_transfer_engine, "group",
+                                                          gloo_wire.open_group("127.0.0.1", port, i + 1, 3, 30)))
+              for i in range(2)]  # fmt: skip
+    for t in opened:
+        t.start()
+    trainer = gloo.GlooTrainerWeightTransferEngine(client=_AnsweringServer(workers), source=None, timeout_s=30)  # type: ignore[arg-type]
+    trainer.group = gloo_wire.open_group("127.0.0.1", port, 0, 3, timeout_s=30)
+    for t in opened:
+        t.join(timeout=60)
+    questions = dict(gloo_worker._QUESTIONS)
+    try:
+        gloo_worker._QUESTIONS["where"] = lambda worker, n: [worker._weight_checksum_prefix()] * n
+        answers = trainer.ask_workers("where", 2)
+        assert answers == [{"worker": t, "answer": [t + ":"] * 2} for t in tags]
+        gloo_worker._QUESTIONS["where"] = lambda worker, n: 1 / (worker is workers[0])
+        with pytest.raises(RuntimeError, match=r"could not answer where: dp1:pp0:pcp0:tp0: ZeroDivisionError"):
+            trainer.ask_workers("where", 0)
+    finally:
+        gloo_worker._QUESTIONS.clear()
+        gloo_worker._QUESTIONS.update(questions)
+    del host
 
 
 def test_stream_that_disagrees_with_the_announcement_names_the_tensor() -> None:

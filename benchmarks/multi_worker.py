@@ -1,0 +1,430 @@
+"""Syncs into multi-worker vLLM CPU servers (issue 40): a tensor-parallel and a data-parallel server beside a
+single-worker one, the same checkpoint and the same sync work, in one run.
+
+    python -m benchmarks.multi_worker [--reps 5]   (the results in benchmarks/results: --reps 10)
+
+For each server in turn (each stopped before the next starts: a multi-worker server pins both cores):
+- `single`: docs/server.md's tensor-parallel CPU command without `--tensor-parallel-size 2` and without its per-worker
+  CPU binding (one worker; the same arguments otherwise);
+- `tp2`, `dp2`: docs/server.md's two commands as written (`tests/e2e/documented.py`), `VLLM_CPU_OMP_THREADS_BIND="0|1"`.
+Every server gets the test-side readable weights (`VLLMServerProcess(readable_weights=True)`): each worker's cut of
+each weight is read from the worker itself (`compat/tp_shards.py`), and the last sync is checked bit for bit on every
+worker (every shard of every replica equals the trainer's weight cut as that worker's loader cuts it).
+
+Two gloo trainer ranks (FSDP2, one unit per decoder layer plus the root; `SyncConfig()`: delta syncs on) push through
+the library's server writer (`fsdp_sync.assemble.build_sync`, gloo weight transfer): one cold sync (the handshake and
+a complete sync), then per repetition one Adam step and, alternating in order, a `delta` sync (every parameter is
+trainable, so it sends every tensor too) and a `complete` one (`resync()` first). Per sync: the sync's own report
+(rank 0: seconds, tensors, bytes it announced and sent), what every server process and both trainer ranks received
+and sent over TCP meanwhile (the kernel's per-socket counters, `ss -tinp`: gloo's connections are TCP, so a worker's
+count is the bytes it received), and the CPU seconds of every server process. Per worker: the bytes of the weights it
+holds, whole and as its shard (its cut, applied to the trainer's full weights: what its loader keeps of what it
+receives), and its peak RSS (`VmHWM`).
+Writes benchmarks/results/multi-worker-cpu.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_sync._demo.models import TinySpec
+
+from .run import RESULTS, _save
+
+__all__ = ["SERVERS", "SPEC", "multi_worker_rank", "multi_worker_rows", "multi_worker_table"]
+
+# Qwen2-style, about 20M parameters (41 MB a sync in bf16): big enough that a sync is not all overhead, small enough
+# that three servers start and sync within a few minutes on 2 cores. Two KV heads: each TP2 worker holds one of them.
+SPEC = TinySpec(
+    family="qwen2", hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=64, vocab_size=16384, tie_word_embeddings=True,
+)  # fmt: skip
+SPEC_NAME = "qwen2-20m"
+# Server name -> the parallel flag of docs/server.md's command (single: the tensor-parallel command without it).
+SERVERS = {"single": None, "tp2": "--tensor-parallel-size 2", "dp2": "--data-parallel-size 2"}
+SYNC_KINDS = ("first", "complete", "delta")
+_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+_MB = 1e6
+
+
+def _server(name: str, model_dir: Path, log_path: Path) -> Any:
+    """docs/server.md's command for `name` (`SERVERS`), readable weights on."""
+    from tests.e2e.documented import DocumentedServer
+
+    flag = SERVERS[name]
+    server = DocumentedServer(model_dir, log_path, "server.md", flag or SERVERS["tp2"], readable_weights=True)
+    if flag is None:
+        # NOTE: one worker takes one CPU list, and "0|1" names two: without it vLLM binds its one worker itself.
+        option = server.words.index(SERVERS["tp2"].split()[0])
+        del server.words[option : option + 2]
+        server.env.pop(_BIND_ENV)
+    return server
+
+
+def _server_processes(pid: int) -> dict[str, int]:
+    """Every process of a server (the API server and its descendants), by process title (`VLLM::Worker_TP0`); a
+    title that several processes share (each data-parallel engine core's `VLLM::Worker`) with its parent's."""
+    import psutil
+
+    root = psutil.Process(pid)
+    children = root.children(recursive=True)
+    titles = {c.pid: " ".join(c.cmdline()).strip() or c.name() for c in children}
+    titles[pid] = "api_server"
+    shared = {t for t in titles.values() if list(titles.values()).count(t) > 1}
+    procs = {}
+    for child in children:
+        title = titles[child.pid]
+        if not title.startswith("VLLM::"):
+            title = f"{child.name()}-{child.pid}"
+        elif title in shared:
+            title = f"{title}@{titles.get(child.ppid(), child.ppid())}"
+        procs[title] = child.pid
+    return {"api_server": pid, **procs}
+
+
+def _workers(procs: dict[str, int]) -> list[str]:
+    """The processes that hold the model (vLLM's worker processes; one per engine core where there is no tensor
+    parallelism)."""
+    return sorted(name for name in procs if name.startswith("VLLM::Worker"))
+
+
+def _worker_tag(process: str) -> str:
+    """The `/weight_checker` tag of a worker process (`VLLM::Worker_TP1` -> `dp0:pp0:pcp0:tp1`,
+    `VLLM::Worker@VLLM::EngineCore_DP1` -> `dp1:pp0:pcp0:tp0`)."""
+    dp = re.search(r"DP(\d+)", process)
+    tp = re.search(r"TP(\d+)", process)
+    return f"dp{dp.group(1) if dp else 0}:pp0:pcp0:tp{tp.group(1) if tp else 0}"
+
+
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise LookupError(f"/proc/{pid}/status has no {field}")
+
+
+_SS_OWNER = re.compile(r"pid=(\d+)")
+_SS_BYTES = re.compile(r"\bbytes_(sent|received):(\d+)")
+
+
+def _tcp_bytes(pids: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """(received, sent) over the open TCP sockets of each process, from the kernel's counters (`ss -tinp`).
+
+    NOTE: read from the sockets, not from `/proc/<pid>/io`: gloo's reads do not count in `rchar` (measured: 0 on the
+    workers while the trainer's `wchar` grew by every byte it sent). A socket opened and closed between two reads
+    (an HTTP request) is not counted; gloo's connections stay open.
+    """
+    import subprocess
+
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    received: dict[int, int] = {}
+    sent: dict[int, int] = {}
+    owners: set[int] = set()
+    for line in out:
+        if not line[:1].isspace():  # a socket's line: its owners; the next, indented, line: its counters
+            owners = {int(p) for p in _SS_OWNER.findall(line)}
+            continue
+        counts = dict(_SS_BYTES.findall(line))
+        for pid in owners:
+            received[pid] = received.get(pid, 0) + int(counts.get("received", 0))
+            sent[pid] = sent.get(pid, 0) + int(counts.get("sent", 0))
+    return {name: (received.get(pid, 0), sent.get(pid, 0)) for name, pid in pids.items()}
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User and system CPU seconds of each process so far."""
+    import psutil
+
+    return {name: sum(psutil.Process(pid).cpu_times()[:2]) for name, pid in pids.items()}
+
+
+def _kept_elements(parts: list[torch.Tensor], rule: dict[str, Any]) -> int:
+    """Elements of the full checkpoint tensors `parts` that a worker's cut `rule` keeps (padding rows not counted)."""
+    dim = rule.get("dim")
+    if dim is None:
+        return sum(p.numel() for p in parts)
+    return sum(size * (p.numel() // p.shape[dim]) for p, (_, size) in zip(parts, rule["parts"]))
+
+
+def _shards(wrapped: torch.nn.Module, model_dir: str, base_url: str, dtype: torch.dtype) -> dict[str, Any] | None:
+    """On every rank (a collective); rank 0: each worker's full and kept bytes of every weight it holds, and the
+    bit-exact check of every worker's weights against the trainer's (None on the other ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_sync.compat.engine_api import engine_model_class, engine_name_mapper, packed_modules_for_architectures
+    from fsdp_sync._demo.engine import by_engine_name, expected_checkpoint_state, expected_engine_parts
+    from fsdp_sync._demo.engine import worker_digest_check
+    from fsdp_sync._demo.vllm_server import server_shard_rules, server_worker_digests
+
+    state = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    full.load_state_dict(state)
+    architectures = list(full.config.architectures)
+    checkpoint = by_engine_name(expected_checkpoint_state(full), engine_name_mapper(engine_model_class(architectures)))
+    packed = packed_modules_for_architectures(architectures)
+    workers = server_worker_digests(base_url)
+    rules = server_shard_rules(base_url, workers)
+    checked, problems = worker_digest_check(workers, rules, checkpoint, packed, dtype)
+    itemsize = dtype.itemsize
+    per_worker: dict[str, dict[str, Any]] = {}
+    for worker, digests in sorted(workers.items()):
+        whole = kept = 0
+        uncounted = []
+        for name in sorted(digests):
+            parts = expected_engine_parts(name, checkpoint, packed)
+            rule = rules.get(worker, {}).get(name)
+            if parts is None or rule is None:
+                uncounted.append(name)
+                continue
+            whole += sum(p.numel() for p in parts) * itemsize
+            kept += _kept_elements(parts, rule) * itemsize
+        per_worker[worker] = {"weights": len(digests), "whole_bytes": whole, "kept_bytes": kept, "uncounted": uncounted}
+    return {"workers": per_worker, "checked": checked, "problems": problems}
+
+
+def multi_worker_rank(
+    rank: int, world_size: int, server: str, model_dir: str, base_url: str, group_port: int, reps: int,
+    server_pids: dict[str, int],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """One trainer rank: the cold sync, then `reps` x (an Adam step, a delta and a complete sync, alternating order);
+    rank 0 also reads every process's I/O counters around each sync and, at the end, the workers' shards."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_sync.assemble import build_sync
+    from fsdp_sync.config import SyncConfig
+
+    from .common import server_writer, wrap_fsdp
+    from .sparse import _train_step
+
+    device = torch.device("cpu")
+    writer = server_writer(base_url, rank, group_port)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    wrapped = wrap_fsdp(model, "fsdp2", device)
+    sync = build_sync(wrapped, writer, SyncConfig(), device=device)
+    optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-4)
+    trainer_pids: list[int] = [0] * world_size
+    dist.all_gather_object(trainer_pids, os.getpid())
+    watched = {**{f"trainer-rank{r}": pid for r, pid in enumerate(trainer_pids)}, **server_pids}
+    rows: list[dict[str, Any]] = []
+
+    def run(kind: str, rep: int) -> None:
+        if kind == "complete":
+            sync.resync()
+        dist.barrier()
+        before = _tcp_bytes(watched) if rank == 0 else {}
+        dist.barrier()
+        # NOTE: the CPU seconds right around rank 0's sync (the server has answered by its end), not around the
+        # barriers and socket reads.
+        cpu_before = _cpu_seconds(server_pids) if rank == 0 else {}
+        started = time.perf_counter()
+        report = sync.sync()
+        wall = time.perf_counter() - started
+        cpu_after = _cpu_seconds(server_pids) if rank == 0 else {}
+        dist.barrier()
+        after = _tcp_bytes(watched) if rank == 0 else {}
+        assert report.ok, report
+        rows.append({
+            "row": "sync", "server": server, "kind": kind, "rep": rep, "rank": rank, "seconds": report.seconds,
+            "wall_seconds": wall, "tensors": report.tensors, "bytes": report.bytes, "complete": report.complete,
+            "received": {n: after[n][0] - before[n][0] for n in after},
+            "sent": {n: after[n][1] - before[n][1] for n in after},
+            "cpu_seconds": {n: cpu_after[n] - cpu_before[n] for n in cpu_after},
+        })  # fmt: skip
+
+    run("first", 0)
+    for rep in range(reps):
+        _train_step(wrapped, optimizer, vocab, rep)
+        for kind in ("delta", "complete") if rep % 2 == 0 else ("complete", "delta"):
+            run(kind, rep)
+    shards = _shards(wrapped, model_dir, base_url, writer.engine_dtype or torch.float32)
+    if shards is not None:
+        rows.append({"row": "shards", "server": server, "rank": rank, **shards})
+    return rows
+
+
+def multi_worker_rows(reps: int) -> list[dict[str, Any]]:
+    """Every server of `SERVERS` in turn, the same checkpoint and the same trainer work against each."""
+    from fsdp_sync._demo.dist import free_port, run_distributed
+    from fsdp_sync._demo.models import build_tiny_checkpoint
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_checkpoint(Path(tmp) / SPEC_NAME, SPEC)
+        for name in SERVERS:
+            server = _server(name, model_dir, Path(tmp) / f"{name}.log")
+            with server:
+                procs = _server_processes(server.process.pid)
+                workers = _workers(procs)
+                try:
+                    results = run_distributed(
+                        multi_worker_rank, name, str(model_dir), server.base_url, free_port(), reps, procs,
+                        world_size=2, backend="gloo",
+                    )  # fmt: skip
+                except RuntimeError as e:
+                    raise RuntimeError(f"the {name} server's syncs failed; server log:\n{server.log_tail()}") from e
+                server.raise_on_worker_death()
+                rows.append({
+                    "row": "server", "server": name, "startup_seconds": server.startup_seconds,
+                    "command": " ".join(server.words), "env": dict(server.env),
+                    "workers": {w: _worker_tag(w) for w in workers},
+                    "peak_rss": {p: _status_kib(pid, "VmHWM") * 1024 for p, pid in procs.items()},
+                    "rss": {p: _status_kib(pid, "VmRSS") * 1024 for p, pid in procs.items()},
+                })  # fmt: skip
+            for rank_rows in results:
+                rows.extend(rank_rows)
+    return rows
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _sent_over_tcp(syncs: list[dict[str, Any]], server: str, kind: str) -> float:
+    return _median([r["sent"]["trainer-rank0"] for r in syncs if r["server"] == server and r["kind"] == kind])
+
+
+def multi_worker_table(rows: list[dict[str, Any]]) -> str:
+    """Sync medians per server and kind (rank 0), then per worker: received, held, kept, peak RSS; then what sending
+    each worker only its shard would save."""
+    servers = {r["server"]: r for r in rows if r["row"] == "server"}
+    shards = {r["server"]: r for r in rows if r["row"] == "shards"}
+    syncs = [r for r in rows if r["row"] == "sync" and r["rank"] == 0]
+    lines = [
+        "| server | workers | sync | n | sync ms (median) | min ms | vs single | MB in the sync's report "
+        "| MB received by each worker (measured) | MB sent by trainer rank 0 over TCP (measured; its FSDP gathers "
+        "included) | server CPU s during the sync (all its processes) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    single: dict[str, float] = {}
+    for name, server in servers.items():
+        workers = server["workers"]
+        server_procs = list(server["peak_rss"])
+        for kind in SYNC_KINDS:
+            chosen = [r for r in syncs if r["server"] == name and r["kind"] == kind]
+            if not chosen:
+                continue
+            seconds = _median([r["seconds"] for r in chosen])
+            if name == "single":
+                single[kind] = seconds
+            ratio = f"{seconds / single[kind]:.2f}x" if kind in single else ""
+            sent = _median([r["bytes"] for r in chosen]) / _MB
+            received = " / ".join(f"{_median([r['received'][w] for r in chosen]) / _MB:.1f}" for w in workers)
+            cpu = _median([sum(r["cpu_seconds"][p] for p in server_procs) for r in chosen])
+            lines.append(
+                f"| {name} | {len(workers)} | {kind} | {len(chosen)} | {seconds * 1e3:.1f} | "
+                f"{min(r['seconds'] for r in chosen) * 1e3:.1f} | {ratio} | {sent:.1f} "
+                f"| {received} | {_sent_over_tcp(syncs, name, kind) / _MB:.1f} | {cpu:.2f} |"
+            )
+    lines += [
+        "",
+        "| server | worker | MB received per complete sync (measured, median) | MB of the weights it holds, whole | "
+        "MB it keeps (its shard) | kept / received | peak RSS MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for name, server in servers.items():
+        complete = [r for r in syncs if r["server"] == name and r["kind"] == "complete"]
+        received_all = whole_all = kept_all = 0.0
+        for process, tag in server["workers"].items():
+            received = _median([r["received"][process] for r in complete])
+            held = shards[name]["workers"][tag]
+            received_all += received
+            whole_all += held["whole_bytes"]
+            kept_all += held["kept_bytes"]
+            lines.append(
+                f"| {name} | {tag} ({process}) | {received / _MB:.2f} | {held['whole_bytes'] / _MB:.2f} | "
+                f"{held['kept_bytes'] / _MB:.2f} | {held['kept_bytes'] / received:.1%} | "
+                f"{server['peak_rss'][process] / 2**20:.0f} |"
+            )
+        check = shards[name]
+        verdict = "every weight equal" if not check["problems"] else f"{len(check['problems'])} problem(s)"
+        notes.append(
+            f"- {name}: server up after {server['startup_seconds']:.0f} s; after its last sync, {check['checked']} "
+            f"worker weights compared with the trainer's (each cut as its worker's loader cuts it), bit for bit: "
+            f"{verdict}."
+        )
+        n = len(server["workers"])
+        if n == 1 or "single" not in servers:
+            continue
+        extra = (_sent_over_tcp(syncs, name, "complete") - _sent_over_tcp(syncs, "single", "complete")) / _MB
+        if kept_all < whole_all:
+            notes.append(
+                f"- {name}: every worker receives every full tensor ({received_all / n / _MB:.1f} MB per complete "
+                f"sync each, measured) and keeps its shard ({kept_all / n / _MB:.1f} MB each, "
+                f"{kept_all / received_all:.1%} of what it receives). Sending each worker only its shard would cut "
+                f"what each receives by {(received_all - kept_all) / n / _MB:.1f} MB per sync "
+                f"({1 - kept_all / received_all:.1%}), and what leaves the trainer's sender from "
+                f"{received_all / _MB:.1f} to {kept_all / _MB:.1f} MB per sync: the sender sends every worker its own "
+                f"copy (rank 0 sent {extra:.1f} MB more per complete sync here than into the single-worker server). "
+                "Not done today."
+            )
+        else:
+            notes.append(
+                f"- {name}: each of the {n} replicas receives every full tensor and keeps all of it (whole weights); "
+                f"the trainer's sender sends each its own copy (rank 0 sent {extra:.1f} MB more per complete sync "
+                "than into the single-worker server)."
+            )
+    busy = []
+    for name in servers:
+        timed = [r for r in syncs if r["server"] == name and r["kind"] != "first"]
+        busy.append(f"{name} {_median([sum(r['cpu_seconds'].values()) / r['seconds'] for r in timed]):.2f}")
+    notes.append(
+        "- CPU seconds the server's processes used per second of sync (median over the complete and delta syncs): "
+        f"{', '.join(busy)}; the 2 cores also run both trainer ranks. NOTE (not measured here: which thread spins): "
+        "vLLM's shared-memory message queue keeps its readers busy-looping (`sched_yield`) for 1 s after each message "
+        "(`vllm/distributed/device_communicators/shm_broadcast.py`, `SpinCondition`, `busy_loop_s=1`)."
+    )
+    notes.append(
+        "- Peak RSS: each worker's `VmHWM` (its high-water mark since it started, the model load included). Every "
+        "worker holds a 1 GiB KV cache (`VLLM_CPU_KVCACHE_SPACE=1`) and, with readable weights, its linear weights "
+        "unpacked beside vLLM-CPU's packed copy."
+    )
+    notes.append(
+        "- `first`: the first sync of the run (the transfer group's handshake, a complete sync). `delta`: after an "
+        "Adam step; every parameter is trainable, so it sends every tensor as `complete` does. The 2 cores are shared "
+        "by the two trainer ranks, every server worker and other work on the machine: times vary from sync to sync."
+    )
+    return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    for name, value in (("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_OFFLINE", "1")):
+        os.environ.setdefault(name, value)
+    import vllm
+
+    rows = multi_worker_rows(args.reps)
+    machine = (
+        f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other work), torch {torch.__version__}, vLLM "
+        f"{vllm.__version__}; {SPEC_NAME} (Qwen2: hidden {SPEC.hidden_size}, {SPEC.num_hidden_layers} layers, "
+        f"{SPEC.num_attention_heads} heads, {SPEC.num_key_value_heads} KV heads, vocabulary {SPEC.vocab_size}, tied); "
+        "2 gloo trainer ranks (FSDP2), the library's server writer, gloo weight transfer; docs/server.md's CPU server "
+        "commands (bf16; single: the tensor-parallel one without its parallel flag and CPU binding), readable weights, "
+        f"one server at a time; {args.reps} reps, medians"
+    )
+    _save(args.results, "multi-worker-cpu", machine, rows, multi_worker_table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
