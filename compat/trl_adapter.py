@@ -7,7 +7,9 @@ both generate through `VLLMGeneration.generate`). An adapter pushed into the eng
 it, so the mixin starts the engine with LoRA (`engine_with_lora`) and wraps the engine's `generate` and `chat` so
 that a call without a `lora_request` asks for the current adapter (`ask_for_adapter`). In server mode TRL's
 `VLLMClient.generate` names the model it asks for (`client.model`, the server's first model at start): it asks for
-the current adapter's name instead (`ask_server_for_adapter`).
+the current adapter's name instead (`ask_server_for_adapter`). TRL's `AsyncGRPOTrainer` generates in a rollout
+process of its own, which names each request `<lora_name>-v<model_version>` once its `lora_name` is set
+(`name_rollout_requests`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ask_for_adapter", "ask_server_for_adapter", "engine_with_lora", "lora_rank_for_engine", "peft_rank"]
+__all__ = [
+    "ask_for_adapter",
+    "ask_server_for_adapter",
+    "engine_with_lora",
+    "lora_rank_for_engine",
+    "name_rollout_requests",
+    "peft_rank",
+]
 
 _ASKING = "_fvs_asks_for_adapter"
 
@@ -97,3 +106,26 @@ def ask_server_for_adapter(client: Any, name: Callable[[], Any | None]) -> None:
 
     client.generate = asking
     setattr(client, _ASKING, True)
+
+
+def name_rollout_requests(worker: Any, prefix: str) -> None:
+    """Make TRL's async rollout worker ask for `<prefix>-v<model_version>` in every request (before it starts).
+
+    TRL 1.16's `AsyncRolloutWorker` forwards its constructor's keyword arguments to the rollout process it spawns at
+    `start()` (`_loop_kwargs`), and that process names each request `f"{lora_name}-v{model_version}"` once
+    `lora_name` is set (`_AsyncRolloutLoop._request_model`); `AsyncGRPOTrainer.__init__` sets it only for its own
+    adapter-files sync, never with a `weight_transfer` (the mixin's). Public API for it: none in TRL 1.16.
+
+    Raises:
+        RuntimeError: the worker has started already, or keeps no `lora_name` to set (another TRL version).
+    """
+    loop_kwargs = getattr(worker, "_loop_kwargs", None)
+    if not isinstance(loop_kwargs, dict) or "lora_name" not in loop_kwargs:
+        raise RuntimeError(
+            f"{type(worker).__name__} keeps no `lora_name` for its rollout process (TRL 1.16's AsyncRolloutWorker "
+            "does): this TRL version's rollout worker cannot be made to ask for each adapter version. Use "
+            "SyncConfig(adapter=False) (merged syncs)."
+        )
+    if getattr(worker, "_process", None) is not None:
+        raise RuntimeError("the rollout worker has started already: its requests can no longer be named")
+    loop_kwargs["lora_name"] = prefix

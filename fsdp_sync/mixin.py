@@ -237,6 +237,12 @@ class FSDPVLLMSyncMixin:
             if backend is not Backend.DEEPSPEED or self._fvs_builtin_sync is None:
                 device = self.accelerator.device  # type: ignore[attr-defined]
                 sync = build_sync(model, self._fvs_writer(), self.sync_config, device=device, backend=backend)
+                if sync.serves_adapter:
+                    writer = self._fvs_server_writer
+                    kept = writer.kept_adapter_versions if writer is not None and writer.client is not None else None
+                    refusal = self._fvs_seam.adapter_refusal(self, kept)
+                    if refusal is not None:
+                        raise UnsupportedSetupError(f"Adapter syncs with {type(self).__name__}: {refusal}.")
         except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
             error = e
         failures = coordinator.agree_on("build", error)
@@ -253,6 +259,9 @@ class FSDPVLLMSyncMixin:
         pass none; see compat.trl_adapter). Server mode asks by the adapter's name (the writer's)."""
         target = self._fvs_target
         if target is None:
+            return
+        prefix = sync.adapter_prefix
+        if prefix is not None and self._fvs_seam.serve_adapter(self, prefix):
             return
         if target.mode == "colocate" and target.llm is not None:
             ask_for_adapter(target.llm, sync.adapter_request)

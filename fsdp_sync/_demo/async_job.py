@@ -46,6 +46,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--check", action="store_true", help="bit-exact server check after every sync")
     p.add_argument("--stock", action="store_true", help="TRL's own sync (no mixin), with a gloo stand-in for NCCL")
     p.add_argument("--peft", action="store_true", help="train a rsLoRA adapter (r=4, alpha=6 on q_proj and v_proj)")
+    p.add_argument("--adapter", action="store_true", help="SyncConfig(adapter=True): push the adapter alone")
+    p.add_argument("--max-staleness", type=int, default=4, help="AsyncGRPOConfig.max_staleness")
     p.add_argument("--sync-timeout-s", type=float, default=120.0)
     p.add_argument(
         "--fault-at",
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from fsdp_sync import FSDPVLLMSyncMixin, SyncConfig
     from fsdp_sync._demo.async_cpu import enable_async_grpo_on_cpu
     from fsdp_sync._demo.cpu_fsdp import enable_real_fsdp_on_cpu, restore_fsdp_distributed_type
-    from fsdp_sync._demo.grpo_job import ServerChecker
+    from fsdp_sync._demo.grpo_job import AdapterServerChecker, ServerChecker
     from fsdp_sync._demo.pause_watch import PauseWatch
     from fsdp_sync.faults import Injector, injecting
 
@@ -202,7 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         num_generations=2,
         max_completion_length=8,
         weight_sync_steps=1,
-        max_staleness=4,
+        max_staleness=args.max_staleness,
         queue_maxsize=32,
         max_inflight_tasks=4,
         learning_rate=args.lr,
@@ -240,6 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sparse=args.sparse,
             delta=not args.no_delta,
             verify=args.verify,
+            adapter=True if args.adapter else None,
             sync_timeout_s=args.sync_timeout_s,
             server_timeout_s=min(args.sync_timeout_s - 5, 60.0),
         )
@@ -254,7 +257,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if "lora_" not in name:  # the base moves away from the server's checkpoint; adapters train from PEFT's init
                 p.add_(torch.randn_like(p) * args.perturb)
     versions = _RolloutVersions(trainer) if trainer.accelerator.is_main_process else None
-    checker = ServerChecker(trainer, peft_config, args.server_url) if args.check else None
+    names = Path(args.out_dir) / "rollout-names.txt"
+    if args.adapter and trainer.rollout_worker is not None:
+        from fsdp_sync._demo.rollout_names import NAMES_ENV, RecordingLoop
+
+        # Test-side: the rollout process records the model of each request it sends (read from outside the library).
+        os.environ[NAMES_ENV] = str(names)
+        trainer.rollout_worker._loop_cls = RecordingLoop
+    checker_class = AdapterServerChecker if args.adapter else ServerChecker
+    checker = checker_class(trainer, peft_config, args.server_url) if args.check else None
 
     def checker_step() -> None:
         if checker is None:
@@ -281,6 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     record["model_version"] = trainer.model_version
     record["syncs"] = [r.as_dict() for r in getattr(trainer, "sync_reports", [])]
     record["rollout_versions"] = versions.seen if versions is not None else []
+    record["rollout_names"] = names.read_text().split() if names.exists() else []
     if stand_in is not None:
         record["pauses"] = [(paused, None) for paused in stand_in.pauses]
         record["stock_bytes"] = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in stand_in.manifest)

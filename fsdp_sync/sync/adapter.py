@@ -334,6 +334,10 @@ class AdapterSync:
 
     strategy = "adapter-pieces"
     serves_adapter = True
+
+    @property
+    def adapter_prefix(self) -> str:
+        return self.name_prefix
     sync_plan = None  # an adapter sync's plan is its `AdapterPlan` (`checked_plan`)
 
     @property

@@ -27,6 +27,8 @@ class Sync(Protocol):
         writer: the engine writer (its `pushes`: whether this rank writes into an engine).
         writer_kind: where the weights go, as reports and logs name it.
         serves_adapter: generation must ask for the adapter the last sync loaded (`adapter_request`).
+        adapter_prefix: the adapter versions it pushes are named `<adapter_prefix>-v<N>`, N its version (None for a
+            sync that pushes no adapter).
     """
 
     backend: str
@@ -40,6 +42,9 @@ class Sync(Protocol):
 
     @property
     def serves_adapter(self) -> bool: ...
+
+    @property
+    def adapter_prefix(self) -> str | None: ...
 
     @property
     def sync_plan(self) -> SyncPlan | None:

@@ -113,6 +113,7 @@ class WeightSync:
     # --- the `contract.Sync` the mixin drives ---
 
     serves_adapter = False
+    adapter_prefix = None
 
     @property
     def strategy(self) -> str:

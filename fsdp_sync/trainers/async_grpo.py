@@ -13,7 +13,8 @@ The seam, and why it has two halves:
   would hold), and probes the server for its adapter files path. Its `destroy` closes this package's transfer at
   the end of training.
 `AsyncGRPOSeam` is everything the mixin does differently for this trainer (its constructor arguments, the merged
-default, the writer's options, the version move); the mixin picks it once (`fsdp_sync.trainers.seam_for`) and
+default, adapter syncs: the versions the server must keep and the rollout worker's requests naming each, the
+writer's options, the version move); the mixin picks it once (`fsdp_sync.trainers.seam_for`) and
 hands it typed callables, so nothing here reads a private attribute of the mixin, the writer or the transport.
 A `WeightTransferProtocol` alone could not do this: TRL calls its `pause` before its own gathers and hands it
 `_streaming_iter`, which calls `full_tensor()` per DTensor parameter and sends FSDP1's flat shards as they are.
@@ -116,25 +117,49 @@ class AsyncGRPOSeam(TrainerSeam):
         return {**kwargs, "weight_transfer": MixinWeightTransfer(self.trainer_name, close)}
 
     def sync_config(self, config: SyncConfig) -> SyncConfig:
-        """A LoRA model syncs merged (`SyncConfig(adapter=False)`).
+        """A LoRA model syncs merged unless adapter syncs are asked for (`SyncConfig(adapter=True)`).
 
-        Why: its rollout worker, a process of its own, names the model of every request itself (the base model, or
-        `<its adapter name>-v<model_version>` only when TRL chose its own adapter-files sync), and keeps requests of
-        older versions in flight while a new one is loaded; a pushed adapter would be loaded beside requests that go
-        on asking for the base, or unloaded under requests still running on it. Merged weights reach every request.
-
-        Raises:
-            UnsupportedSetupError: `SyncConfig(adapter=True)` (says why, and the fallback).
+        Why merged by default: adapter syncs need a LoRA server that keeps `max_staleness + 1` versions
+        (`adapter_refusal`) and TRL's rollout worker made to name them (`serve_adapter`, a private field of TRL
+        1.16's worker); merged weights reach every request of any server.
         """
-        if config.adapter:
-            raise UnsupportedSetupError(
-                f"SyncConfig(adapter=True) with TRL's {self.trainer_name}: its rollout worker names the model of every "
-                "request itself and keeps older versions in flight, so a pushed adapter would not be what it "
-                "generates from. Use SyncConfig(adapter=False) (merged syncs; the default for this trainer)."
-            )
         if config.adapter is None:
-            logger.info("fsdp-vllm-sync: TRL's AsyncGRPOTrainer syncs LoRA models merged (SyncConfig(adapter=False))")
-        return dataclasses.replace(config, adapter=False)
+            logger.info(
+                "fsdp-vllm-sync: TRL's AsyncGRPOTrainer syncs LoRA models merged (SyncConfig(adapter=False)); "
+                "SyncConfig(adapter=True) pushes the adapter alone into a LoRA server"
+            )
+            return dataclasses.replace(config, adapter=False)
+        return config
+
+    def adapter_refusal(self, trainer: Any, kept_versions: Callable[[], int] | None) -> str | None:
+        """The server must keep every version a rollout still in flight may name: the trainer accepts rollouts up to
+        `max_staleness` versions old, so the last `max_staleness + 1` versions stay servable
+        (`FSDP_VLLM_SYNC_ADAPTER_VERSIONS` on the server, within its `--max-cpu-loras`)."""
+        if kept_versions is None:
+            return None
+        from fsdp_sync.compat.lora_patches import ADAPTER_VERSIONS_ENV
+
+        needed = int(trainer.args.max_staleness) + 1
+        kept = kept_versions()
+        if kept < needed:
+            return (
+                f"the server keeps {kept} adapter version(s) servable, but max_staleness={trainer.args.max_staleness} "
+                f"lets rollouts still in flight name the last {needed}: start the server with "
+                f"{ADAPTER_VERSIONS_ENV}={needed} (and --max-cpu-loras {needed} or more), lower max_staleness, or "
+                "use SyncConfig(adapter=False) (merged syncs)"
+            )
+        return None
+
+    def serve_adapter(self, trainer: Any, prefix: str) -> bool:
+        """The rollout worker (main process; it starts after the first sync) asks for `<prefix>-v<model_version>`:
+        each request names the policy version it generates with, which is the adapter version the sync that made
+        that version current pushed (both move once per sync that succeeded; `sync` checks it)."""
+        from fsdp_sync.compat.trl_adapter import name_rollout_requests
+
+        worker = getattr(trainer, "rollout_worker", None)
+        if worker is not None:
+            name_rollout_requests(worker, prefix)
+        return True
 
     def writer_options(self, trainer: Any) -> WriterOptions:
         """The rollouts keep generating during training: the server is paused for the write alone, and its weight
@@ -159,6 +184,16 @@ class AsyncGRPOSeam(TrainerSeam):
         started = time.perf_counter()
         report = run()
         seconds = time.perf_counter() - started
+        from ..report import AdapterFigures
+
+        adapter = report.figure(AdapterFigures) if report is not None else None
+        if adapter is not None and adapter.adapter_id != trainer.model_version + 1:
+            adapter_id = adapter.adapter_id
+            # NOTE: the rollout worker names `<prefix>-v<model_version>`: the two must never part.
+            raise RuntimeError(
+                f"adapter version {adapter_id} was pushed for policy version {trainer.model_version + 1}: the rollout "
+                "worker would ask for another adapter than the current one"
+            )
         trainer.model_version += 1
         # NOTE: TRL builds its rollout worker on the main process only.
         worker = getattr(trainer, "rollout_worker", None)

@@ -40,6 +40,17 @@ class TrainerSeam:
     def writer_options(self, trainer: Any) -> WriterOptions:
         return WriterOptions()
 
+    def adapter_refusal(self, trainer: Any, kept_versions: Callable[[], int] | None) -> str | None:
+        """Why this trainer's generation cannot be served by adapter syncs (None: it can); asked on every rank
+        when the adapter sync is built. `kept_versions`: the adapter versions the server keeps (None on a rank
+        that does not talk to it, or colocated)."""
+        return None
+
+    def serve_adapter(self, trainer: Any, prefix: str) -> bool:
+        """Make this trainer's generation ask for each adapter version (`<prefix>-v<N>`) itself; False: the mixin's
+        default (TRL's generate calls in this process) applies."""
+        return False
+
     def sync(
         self, trainer: Any, run: Callable[[], SyncReport | None], last_pause: Callable[[], tuple[float, float] | None]
     ) -> None:

@@ -341,17 +341,20 @@ _QUESTIONS = {"adapter_digests": adapter_digests}
 def _add_worker_methods() -> None:
     """Give vLLM's workers what `SyncConfig(verify=True)` asks them (idempotent): `SHARD_RULES_METHOD` (each
     worker's cut of every weight, for a tensor-parallel server's digests) and `ANSWER_METHOD` (an answer sent over
-    the transfer group, from every data-parallel replica: the adapter's digests). NOTE: methods
+    the transfer group, from every data-parallel replica: the adapter's digests); and `KEPT_VERSIONS_METHOD` (the
+    adapter versions the server keeps servable, asked by the async trainer's seam). NOTE: methods
     on vLLM's `WorkerBase`, the class `/collective_rpc` calls methods of by name (vLLM 0.28-0.32); nothing else of
     the worker is changed."""
     from vllm.v1.worker.worker_base import WorkerBase
 
+    from fsdp_sync.compat.lora_patches import KEPT_VERSIONS_METHOD, kept_versions
     from fsdp_sync.compat.tp_shards import SHARD_RULES_METHOD, worker_shard_rules
 
     from .gloo_wire import ANSWER_METHOD
 
     setattr(WorkerBase, SHARD_RULES_METHOD, worker_shard_rules)
     setattr(WorkerBase, ANSWER_METHOD, answer_over_transfer)
+    setattr(WorkerBase, KEPT_VERSIONS_METHOD, lambda worker: kept_versions())
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpdateInfo]):

@@ -339,6 +339,19 @@ class ServerWriter:
         rank = self.info.max_lora_rank
         return LoRALimits(rank, None, None) if rank is not None else None
 
+    def kept_adapter_versions(self) -> int:
+        """How many adapter versions the server keeps servable (`FSDP_VLLM_SYNC_ADAPTER_VERSIONS` there; the
+        fewest any worker keeps), asked through a method this package's gloo backend gives its workers.
+
+        Raises:
+            ServerConfigError, ServerRequestError: the server cannot say (without the gloo backend, or an invalid
+                setting there, named in the server's answer).
+        """
+        from fsdp_sync.compat.lora_patches import KEPT_VERSIONS_METHOD
+
+        assert self.client is not None
+        return min(int(k) for k in self.client.collective_rpc(KEPT_VERSIONS_METHOD))
+
     def adapter_transport_refusal(self) -> str | None:
         if self.backend != "gloo":
             return (

@@ -154,6 +154,45 @@ def test_adapter_syncs_into_a_multi_worker_server(backend: str, workers: str, ch
         server.raise_on_worker_death()
 
 
+def test_async_trainer_pushes_each_adapter_version_its_rollout_worker_asks_for(
+    lora_server: VLLMServerProcess, checkpoints, tmp_path
+) -> None:
+    """TRL's `AsyncGRPOTrainer` with `SyncConfig(adapter=True)`, FSDP2, into the shared LoRA server (it keeps the
+    last 2 versions: `max_staleness=1` + 1), `verify` on: each sync pushes the adapter alone as the next policy
+    version's name, and the rollout worker (TRL's own, in its own process) asks for `fsdp-vllm-sync-v<N>` with N the
+    policy version it generates with, recorded from its requests. After every sync the server's workers hold exactly
+    the trainer's adapter under that name and its logprobs equal PEFT's merge; the trainer's `model_version`, the
+    rollout worker's and the adapter's version agree; every rollout the trainer took was made by a version the
+    server still kept; a request naming a version no longer kept is refused while the server stays healthy."""
+    from fsdp_sync._demo.launch import launch_job
+
+    steps = 2
+    args = ["--model-dir", str(checkpoints("qwen2")), "--out-dir", str(tmp_path), "--server-url", lora_server.base_url,
+            "--group-port", str(free_port()), "--steps", str(steps), "--peft", "--adapter", "--perturb", "0",
+            "--max-staleness", "1", "--verify", "--check"]  # fmt: skip
+    result = launch_job("fsdp_sync._demo.async_job", args, tmp_path, backend="fsdp2", num_processes=2, timeout=900)
+    assert result.returncode == 0, result.log[-6000:]
+    for r in result.ranks:
+        assert "fatal" not in r, r.get("traceback")
+        assert r["wrapper"]["is_fsdp2"], r["wrapper"]
+        syncs = [sync for sync in r["syncs"] if sync["ok"]]
+        assert len(syncs) == len(r["checks"]) == steps + 1, (syncs, r["checks"])
+        for version, (sync, check) in enumerate(zip(syncs, r["checks"], strict=True), start=1):
+            assert sync["adapter_id"] == check["adapter_id"] == check["model_version"] == version, (sync, check)
+            assert sync["tensors"] == 8 and sync["verified"] == (8 if r["rank"] == 0 else 0), sync
+            assert check["adapter_problems"] == [] and check["logits_problems"] == [], check
+            assert f"fsdp-vllm-sync-v{version}" in check["served"][0], check["served"]
+            if r["rank"] == 0:
+                assert check["rollout_worker_version"] == version, check
+    main = result.ranks[0]
+    asked = set(main["rollout_names"])
+    assert asked and asked <= {f"fsdp-vllm-sync-v{v}" for v in range(1, steps + 2)}, asked
+    assert "fsdp-vllm-sync-v1" in asked and len(asked) >= 2, asked  # it moved on with the policy
+    taken = main["rollout_versions"]  # (the rollout's version, the trainer's then)
+    assert taken and all(1 <= made <= now and now - made <= 1 for made, now in taken), taken
+    _only_kept_versions_are_served(lora_server, last=steps + 1)
+
+
 def test_adapter_verify_catches_a_changed_engine_adapter(checkpoints, tmp_path) -> None:
     """`SyncConfig(verify=True)` on adapter syncs, FSDP1: right after the load of sync 1, rank 0's engine `lora_a` of
     one module is changed in its LoRA manager, behind the sync (the tensor generation reads). The sync fails on every

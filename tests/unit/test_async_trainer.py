@@ -446,13 +446,47 @@ def test_gpt_oss_over_nccl_is_refused_only_where_the_server_lacks_the_fix(monkey
         assert "install fsdp-vllm-sync in the server's environment" in refused["model.layers.0.self_attn.sinks"]
 
 
-def test_adapter_syncs_are_refused_for_the_async_trainer_and_merged_is_its_default() -> None:
+def test_the_async_trainer_merges_by_default_and_pushes_adapters_when_asked() -> None:
     from fsdp_sync import SyncConfig
 
-    Trainer = _async_mixin_class()
-    with pytest.raises(UnsupportedSetupError, match=r"rollout worker names the model of every request.*adapter=False"):
-        Trainer(model="unused", args=SimpleNamespace(), sync_config=SyncConfig(adapter=True))
-    assert AsyncGRPOSeam("Trainer").sync_config(SyncConfig()).adapter is False
+    seam = AsyncGRPOSeam("Trainer")
+    assert seam.sync_config(SyncConfig()).adapter is False
+    assert seam.sync_config(SyncConfig(adapter=True)).adapter is True
+
+
+def test_adapter_syncs_need_a_server_keeping_every_version_a_rollout_in_flight_may_name() -> None:
+    """`max_staleness=4`: rollouts up to 4 versions old are trained on, so the server must keep the last 5 adapter
+    versions servable; fewer is refused at the build, naming the setting; a rank that does not ask the server
+    (None) refuses nothing."""
+    seam = AsyncGRPOSeam("Trainer")
+    trainer = SimpleNamespace(args=SimpleNamespace(max_staleness=4))
+    refusal = seam.adapter_refusal(trainer, lambda: 2)
+    assert refusal is not None and "keeps 2 adapter version(s)" in refusal
+    assert "FSDP_VLLM_SYNC_ADAPTER_VERSIONS=5" in refusal and "--max-cpu-loras 5" in refusal
+    assert seam.adapter_refusal(trainer, lambda: 5) is None
+    assert seam.adapter_refusal(trainer, None) is None
+
+
+def test_the_rollout_worker_is_made_to_ask_for_each_adapter_version_by_name() -> None:
+    """TRL 1.16's worker (built as `AsyncGRPOTrainer` builds it with a `weight_transfer`: `lora_name=None`) asks,
+    once named, for `<prefix>-v<model_version>`: the name the adapter sync gives version N. A worker that started
+    already, or keeps no `lora_name`, is refused with the reason."""
+    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, _AsyncRolloutLoop
+
+    from fsdp_sync.compat.trl_adapter import name_rollout_requests
+
+    worker = AsyncRolloutWorker(model_name="m", lora_name=None)
+    name_rollout_requests(worker, "fsdp-vllm-sync")
+    assert worker._loop_kwargs["lora_name"] == "fsdp-vllm-sync"
+    loop = SimpleNamespace(lora_name=worker._loop_kwargs["lora_name"], model_version=3, model_name="m")
+    assert _AsyncRolloutLoop._request_model.fget(loop) == "fsdp-vllm-sync-v3"
+    assert AsyncGRPOSeam("Trainer").serve_adapter(SimpleNamespace(rollout_worker=worker), "p") is True
+    assert worker._loop_kwargs["lora_name"] == "p"
+    worker._process = object()
+    with pytest.raises(RuntimeError, match="started already"):
+        name_rollout_requests(worker, "p")
+    with pytest.raises(RuntimeError, match="keeps no `lora_name`.*adapter=False"):
+        name_rollout_requests(SimpleNamespace(_loop_kwargs={}), "p")
 
 
 def test_a_failed_verify_moves_no_version(monkeypatch, tmp_path: Path) -> None:
