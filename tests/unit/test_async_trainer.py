@@ -471,7 +471,8 @@ def test_the_rollout_worker_is_made_to_ask_for_each_adapter_version_by_name() ->
     """TRL 1.16's worker (built as `AsyncGRPOTrainer` builds it with a `weight_transfer`: `lora_name=None`) asks,
     once named, for `<prefix>-v<model_version>`: the name the adapter sync gives version N. A worker that started
     already, or keeps no `lora_name`, is refused with the reason."""
-    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, _AsyncRolloutLoop
+    worker_module = pytest.importorskip("trl.experimental.async_grpo.async_rollout_worker")  # TRL >= 1.x
+    AsyncRolloutWorker, _AsyncRolloutLoop = worker_module.AsyncRolloutWorker, worker_module._AsyncRolloutLoop
 
     from fsdp_sync.compat.trl_adapter import name_rollout_requests
 
