@@ -37,6 +37,7 @@ __all__ = [
     "reset_prefix_cache",
     "worker_digests",
     "worker_place",
+    "worker_tag",
     "wake_up_weights",
 ]
 
@@ -334,6 +335,13 @@ def worker_digests(checksums: dict[str, str]) -> tuple[dict[str, dict[str, str]]
         sharded = sharded or worker[1:] != ["pp0", "pcp0", "tp0"]
         workers.setdefault(":".join(worker), {})[name] = digest
     return workers, sharded
+
+
+def worker_tag(worker: Any) -> str:
+    """A vLLM worker's tag as its `/weight_checker` digests name it (`dp0:pp0:pcp0:tp1`; `""` where vLLM gives
+    none, before 0.32), so that what a worker answers pairs up with its digests whatever order workers answer in."""
+    prefix = getattr(worker, "_weight_checksum_prefix", None)
+    return prefix().rstrip(":") if prefix is not None else ""
 
 
 def worker_place(worker: str) -> str:

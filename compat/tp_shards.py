@@ -114,8 +114,8 @@ def shard_rules(model: torch.nn.Module) -> dict[str, ShardRule | None]:
 
 
 def worker_shard_rules(worker: Any) -> dict[str, Any]:
-    """`SHARD_RULES_METHOD`: this worker's cut of every weight (`shard_rules`), tagged with the worker's own
-    `/weight_checker` prefix (`dp0:pp0:pcp0:tp1`; `""` where vLLM gives none), so that rules and digests pair up
-    whatever order the workers answer in."""
-    prefix = worker._weight_checksum_prefix() if hasattr(worker, "_weight_checksum_prefix") else ""
-    return {"worker": prefix.rstrip(":"), "rules": shard_rules(worker.model_runner.get_model())}
+    """`SHARD_RULES_METHOD`: this worker's cut of every weight (`shard_rules`), tagged as its digests are
+    (`engine_api.worker_tag`)."""
+    from .engine_api import worker_tag
+
+    return {"worker": worker_tag(worker), "rules": shard_rules(worker.model_runner.get_model())}

@@ -90,6 +90,7 @@ def _worker_adapter_digests(worker: Any, out_dir: str) -> bool:
 
     NOTE: into a file, not the answer: `/collective_rpc` runs this on every worker of every data-parallel replica
     but answers with the first replica's only; the test servers share this machine's disk."""
+    from fsdp_sync.compat.engine_api import worker_tag
     from fsdp_sync.compat.lora_api import engine_adapter, loaded_adapters
     from fsdp_sync.compat.lora_patches import loaded_adapter_names, served_adapters
     from fsdp_sync.digest import tensor_digest
@@ -104,8 +105,7 @@ def _worker_adapter_digests(worker: Any, out_dir: str) -> bool:
                 "a": [tensor_digest(t) if t is not None else None for t in a],
                 "b": [tensor_digest(t) if t is not None else None for t in b],
             }
-    prefix = worker._weight_checksum_prefix().rstrip(":") if hasattr(worker, "_weight_checksum_prefix") else ""
-    tag = prefix or f"pid{os.getpid()}"
+    tag = worker_tag(worker) or f"pid{os.getpid()}"
     answer = {"worker": tag, "ids": ids, "served": served_adapters(), "adapters": adapters}
     (Path(out_dir) / f"{tag}.json").write_text(json.dumps(answer))
     return True

@@ -319,12 +319,14 @@ def answer_over_transfer(worker: Any, question: str, args: list[Any]) -> bool:
     import json
     from datetime import timedelta
 
+    from fsdp_sync.compat.engine_api import worker_tag
+
     from .gloo_wire import gather_to_sender
 
     engine = getattr(worker, "weight_transfer_engine", None)
     if engine is None or engine.group is None:
         raise RuntimeError("gloo weight transfer is not initialized; call /init_weight_transfer_engine first.")
-    prefix = worker._weight_checksum_prefix().rstrip(":") if hasattr(worker, "_weight_checksum_prefix") else ""
+    prefix = worker_tag(worker)
     try:
         answer: dict[str, Any] = {"worker": prefix, "answer": _QUESTIONS[question](worker, *args)}
     except Exception as e:  # noqa: BLE001 - sent to the trainer, which raises it with every worker's

@@ -27,6 +27,7 @@ from fsdp_sync.compat.engine_api import (
     reset_prefix_cache,
     worker_digests,
     worker_place,
+    worker_tag,
     wake_up_weights,
 )
 from fsdp_sync.compat.lora_api import (
@@ -250,13 +251,9 @@ class ColocateWriter:
         if self.handle.tensor_parallel:  # this rank's engine holds its tensor-parallel rank's cut of each weight
             from fsdp_sync.compat.tp_shards import shard_rules
 
-            rules = {worker_place(self._worker()): shard_rules(model)}
+            rules = {worker_place(worker_tag(self.handle.worker)): shard_rules(model)}
         return EngineLayout(engine_naming(model), modules, transformed=transformed, lands_in=lands_in, shard_rules=rules)
 
-    def _worker(self) -> str:
-        """This engine's worker as its digests name it (`dp0:pp0:pcp0:tp1`; `""` where vLLM gives no prefix)."""
-        prefix = getattr(self.handle.worker, "_weight_checksum_prefix", None)
-        return prefix().rstrip(":") if prefix is not None else ""
 
     def _sent_dtype(self, checkpoint: EngineManifest, name: str) -> torch.dtype:
         stored = checkpoint.tensors[name].dtype
