@@ -108,6 +108,12 @@ class LoRABuffersWriter(FusedBuffersWriter):
         self._loaded = (adapter.adapter_id, adapter.name)
         self._rank = r
 
+    def publish_adapter(self, adapter: Any) -> None:
+        """Nothing to move: the slots hold one adapter, which the benchmark reads (no requests name it)."""
+
+    def abandon_adapter(self) -> None:
+        """Nothing to drop (the slots are rewritten whole by the next load)."""
+
     def adapter_request(self) -> object | None:
         return self._loaded
 

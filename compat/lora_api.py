@@ -34,7 +34,9 @@ __all__ = [
     "engine_lora_limits",
     "engine_lora_of",
     "held_adapter",
+    "holds_adapter",
     "load_adapter",
+    "remove_adapter",
     "loaded_adapters",
     "lora_model",
     "peft_adapter_config",
@@ -315,9 +317,10 @@ def held_adapter(worker: Any, adapter_id: int) -> tuple[Any, Mapping[str, Sequen
     return lora, manager.packed_modules
 
 
-def load_adapter(worker: Any, adapter: Adapter, *, replace: int | None) -> None:
-    """Build `adapter` from its tensors and register it with the worker's LoRA manager under its id, then remove
-    the adapter `replace` (the previous version), so that the next request for the new id is served from memory.
+def load_adapter(worker: Any, adapter: Adapter, *, replace: int | None = None) -> None:
+    """Build `adapter` from its tensors and register it with the worker's LoRA manager under its id (beside what it
+    holds, within the manager's capacity: its LRU cache evicts the least recently used beyond it), and remove the
+    adapter `replace` if given, so that the next request for the new id is served from memory.
 
     Raises:
         ValueError: vLLM refuses the adapter (its own checks; nothing was registered).
@@ -335,6 +338,16 @@ def load_adapter(worker: Any, adapter: Adapter, *, replace: int | None) -> None:
         manager.remove_adapter(replace)
     manager.remove_adapter(adapter.adapter_id)  # an id loaded before (a retried version) is replaced whole
     manager.add_adapter(lora)
+
+
+def remove_adapter(worker: Any, adapter_id: int) -> None:
+    """Remove `adapter_id` from the worker's LoRA manager (nothing where it holds none)."""
+    _worker_lora_manager(worker)._adapter_manager.remove_adapter(adapter_id)
+
+
+def holds_adapter(worker: Any, adapter_id: int) -> bool:
+    """Whether the worker's LoRA manager holds `adapter_id` (registered, servable without a load)."""
+    return _worker_lora_manager(worker)._adapter_manager.get_adapter(adapter_id) is not None
 
 
 def engine_adapter(worker: Any, adapter_id: int) -> dict[str, tuple[list[torch.Tensor | None], list[torch.Tensor | None]]]:

@@ -9,13 +9,17 @@ transfer has no path, and its id cannot be chosen by the sender. And the API ser
 resolved (`OpenAIServingModels.lora_requests`): a request naming a version the worker no longer has goes straight
 to the worker's `execute_model`, whose `LoRAAdapterNotFoundError` kills the engine (HTTP 500, then `/health` 503).
 So:
-- worker: each pushed adapter is built and checked (`stash_adapter`) and kept by name, the last `K` versions
-  (`kept_versions`: `ADAPTER_VERSIONS_ENV`, at most the server's `max_cpu_loras`); `serve_in_memory_adapters` makes
-  `_load_adapter` serve a request whose path is `IN_MEMORY_PATH/<name>` from those, under whatever id it carries;
-- API server (`guard_served_adapters`): after each adapter push that succeeded, the names the API server serves
-  become exactly the last `K` pushed (`/v1/models` lists them; a request naming any other version is answered 404
-  before it reaches the engine), and the new version gets a fresh id (a re-pushed name never reuses the old one's).
-  No resolver is asked (`VLLM_ALLOW_RUNTIME_LORA_UPDATING` is not needed): the pushed names are registered directly.
+- worker: each pushed adapter is built and checked (`stash_adapter`) and staged by name; the trainer publishes it
+  once its sync was verified (`publish_adapter`, a push without tensors), and only then is it served: the last `K`
+  published versions are kept (`kept_versions`: `ADAPTER_VERSIONS_ENV`, at most the server's `max_cpu_loras`);
+  `serve_in_memory_adapters` makes `_load_adapter` serve a request whose path is `IN_MEMORY_PATH/<name>` from those,
+  under whatever id it carries. A staged version that is never published is replaced by the next push;
+- API server (`guard_served_adapters`): after each publish that succeeded, the names the API server serves become
+  exactly the last `K` published (`/v1/models` lists them; a request naming any other version, a staged one
+  included, is answered 404 before it reaches the engine), and the new version gets a fresh id. A name published
+  before in this server's life (a trainer that started again from v1) first drops the prefix cache: vLLM keys it by
+  the adapter's name and path, and would serve blocks computed with the earlier contents. No resolver is asked
+  (`VLLM_ALLOW_RUNTIME_LORA_UPDATING` is not needed): the published names are registered directly.
 
 Known limit: the API server learns the served names from the pushes it forwards, so this holds for a server with
 one API server process (vLLM's default; `--api-server-count` above 1 is not covered).
@@ -39,6 +43,7 @@ __all__ = [
     "kept_adapter",
     "kept_versions",
     "loaded_adapter_names",
+    "publish_adapter",
     "serve_in_memory_adapters",
     "served_adapters",
     "stash_adapter",
@@ -55,12 +60,16 @@ ADAPTER_VERSIONS_ENV = "FSDP_VLLM_SYNC_ADAPTER_VERSIONS"
 KEPT_VERSIONS_METHOD = "fsdp_vllm_sync_kept_versions"
 _PATCHED = "_fvs_in_memory"
 
-# Worker process: name -> the LoRAModel pushed under it, the last `kept_versions()` pushes, oldest first.
+# Worker process: name -> the LoRAModel published under it, the last `kept_versions()` publishes, oldest first.
 _SERVED: OrderedDict[str, Any] = OrderedDict()
+# Worker process: the version pushed and not yet published (name -> LoRAModel; at most one).
+_STAGED: dict[str, Any] = {}
 # Worker process: id -> the name it was loaded under (what the worker's LoRA manager holds, for checks).
 _LOADED: dict[int, str] = {}
-# API server process: the names servable, oldest first, as the pushes that succeeded left them.
+# API server process: the names servable, oldest first, as the publishes that succeeded left them; and every name
+# ever published (a name published again first drops the prefix cache).
 _API_SERVED: list[str] = []
+_API_EVER: set[str] = set()
 # API server process: its `OpenAIServingModels` (the holders of `lora_requests`).
 _SERVING_MODELS: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -95,7 +104,8 @@ def version_refusal(keep: int, lora_config: Any) -> str | None:
 
 def stash_adapter(model: Any, adapter: Adapter) -> None:
     """Build and check `adapter` for the engine `model` (a model vLLM's LoRA manager wraps: `model.lora_manager`),
-    and keep it servable by name; the oldest kept version beyond `kept_versions()` stops being servable.
+    and stage it by name (replacing a version staged before and never published); `publish_adapter` makes it
+    servable.
 
     Raises:
         RuntimeError: the engine was started without LoRA.
@@ -116,9 +126,27 @@ def stash_adapter(model: Any, adapter: Adapter) -> None:
         vocab_size=manager.vocab_size,
         max_positions=getattr(text, "max_position_embeddings", None),
     )
-    _SERVED.pop(adapter.name, None)
-    _SERVED[adapter.name] = lora
-    # NOTE: a version pushed out is not removed from the LoRA manager: a request that started on it may still be
+    _STAGED.clear()
+    _STAGED[adapter.name] = lora
+
+
+def publish_adapter(name: str, *, fresh: bool = False) -> None:
+    """The staged version `name` becomes servable; the oldest published version beyond `kept_versions()` stops
+    being servable. `fresh`: a trainer's first publish: every version served before (another trainer's) stops
+    being servable.
+
+    Raises:
+        KeyError: no version `name` is staged (nothing changes).
+    """
+    lora = _STAGED.pop(name, None)
+    if lora is None:
+        raise KeyError(f"no adapter {name} was pushed to publish (staged: {sorted(_STAGED)})")
+    keep = kept_versions()
+    if fresh:
+        _SERVED.clear()
+    _SERVED.pop(name, None)
+    _SERVED[name] = lora
+    # NOTE: a version published out is not removed from the LoRA manager: a request that started on it may still be
     # running and re-activates it every step. The API server refuses new requests for it (`guard_served_adapters`),
     # and the manager's own LRU cache (max_cpu_loras) evicts it once newer versions need the room.
     while len(_SERVED) > keep:
@@ -127,9 +155,10 @@ def stash_adapter(model: Any, adapter: Adapter) -> None:
 
 
 def kept_adapter(name: str) -> Any | None:
-    """The `LoRAModel` this worker keeps to serve under `name` (the object its LoRA manager registers when a request
-    names it); None where it keeps no such version."""
-    return _SERVED.get(name)
+    """The `LoRAModel` this worker keeps under `name`, staged (for the trainer's verify, before it is published) or
+    published (the object its LoRA manager registers when a request names it); None where it keeps no such
+    version."""
+    return _STAGED.get(name, _SERVED.get(name))
 
 
 def served_adapters() -> list[str]:
@@ -169,16 +198,25 @@ def serve_in_memory_adapters() -> None:
     WorkerLoRAManager._load_adapter = load  # type: ignore[method-assign]
 
 
-def _pushed_adapter_names(update_info: Any) -> list[str]:
-    """The adapter names an `/update_weights` payload pushes (the gloo backend's `adapter` field)."""
+def _published_adapter_names(update_info: Any) -> list[tuple[str, bool]]:
+    """The adapter names an `/update_weights` payload publishes, each with its `fresh` flag (the gloo backend's
+    `publish` and `fresh` fields)."""
     infos: Iterable[Any] = update_info if isinstance(update_info, list) else [update_info]
-    return [str(i["adapter"]["name"]) for i in infos if isinstance(i, dict) and isinstance(i.get("adapter"), dict)]
+    return [
+        (str(i["publish"]), bool(i.get("fresh")))
+        for i in infos
+        if isinstance(i, dict) and isinstance(i.get("publish"), str)
+    ]
 
 
-def _serve_pushed(name: str, keep: int) -> None:
-    """API server: `name` was pushed; make every `OpenAIServingModels` serve exactly the last `keep` pushed names."""
+def _serve_published(name: str, keep: int, *, fresh: bool = False) -> None:
+    """API server: `name` was published; make every `OpenAIServingModels` serve exactly the last `keep` published
+    names (only `name`, after a trainer's first publish: `fresh`)."""
     from vllm.lora.request import LoRARequest
 
+    _API_EVER.add(name)
+    if fresh:
+        _API_SERVED.clear()
     if name in _API_SERVED:
         _API_SERVED.remove(name)
     _API_SERVED.append(name)
@@ -202,8 +240,8 @@ def _in_memory(request: Any) -> bool:
 def guard_served_adapters() -> None:
     """API server: keep `OpenAIServingModels.lora_requests` equal to the adapter versions served (idempotent).
 
-    Patches `OpenAIServingModels.__init__` (to find the instances) and `AsyncLLM.update_weights` (after an adapter
-    push succeeded on every worker, its name is served and versions beyond `kept_versions()` are dropped)."""
+    Patches `OpenAIServingModels.__init__` (to find the instances) and `AsyncLLM.update_weights` (after a publish
+    succeeded on every worker, its name is served and versions beyond `kept_versions()` are dropped)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     try:
@@ -221,12 +259,23 @@ def guard_served_adapters() -> None:
         _SERVING_MODELS.add(self)
 
     async def update_weights(self: Any, request: Any) -> None:
+        published = _published_adapter_names(getattr(request, "update_info", None))
+        names = [name for name, _ in published]
+        if any(name in _API_EVER for name in names):
+            # NOTE: before the workers serve the new contents under a name served before: nothing the engine
+            # cached under it may be served again (the prefix cache is keyed by the adapter's name and path).
+            if await self.reset_prefix_cache() is False:
+                # NOTE: vLLM refuses while running requests hold cached blocks; those blocks were computed under
+                # the old contents and stay keyed by the name until they are evicted.
+                logger.warning("fsdp-vllm-sync: adapter %s is published again, but vLLM kept its prefix cache "
+                               "(requests were running)", ", ".join(names))  # fmt: skip
+            else:
+                logger.info("fsdp-vllm-sync: prefix cache dropped: adapter %s is published again", ", ".join(names))
         await original_update(self, request)
-        names = _pushed_adapter_names(getattr(request, "update_info", None))
-        if names:
+        if published:
             keep = kept_versions()
-            for name in names:
-                _serve_pushed(name, keep)
+            for name, fresh in published:
+                _serve_published(name, keep, fresh=fresh)
 
     setattr(update_weights, _PATCHED, True)
     OpenAIServingModels.__init__ = init  # type: ignore[method-assign]

@@ -53,8 +53,9 @@ def lora_rank_for_engine(rank: int) -> int:
 
 @contextlib.contextmanager
 def engine_with_lora(rank: int) -> Iterator[None]:
-    """While open, the `vllm.LLM` that TRL's `VLLMGeneration` builds starts with LoRA enabled (one adapter slot,
-    `max_lora_rank` the smallest vLLM value that serves `rank`)."""
+    """While open, the `vllm.LLM` that TRL's `VLLMGeneration` builds starts with LoRA enabled (one adapter slot in a
+    batch, two kept loaded: the version requests name and the next one, staged beside it until its sync is verified
+    and published; `max_lora_rank` the smallest vLLM value that serves `rank`)."""
     import trl.generation.vllm_generation as generation
 
     original = generation.LLM
@@ -64,6 +65,7 @@ def engine_with_lora(rank: int) -> Iterator[None]:
         kwargs.setdefault("enable_lora", True)
         kwargs.setdefault("max_lora_rank", lora_rank_for_engine(rank))
         kwargs.setdefault("max_loras", 1)
+        kwargs.setdefault("max_cpu_loras", 2)
         return original(*args, **kwargs)
 
     generation.LLM = with_lora

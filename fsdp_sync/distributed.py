@@ -117,6 +117,9 @@ def free_port() -> int:
 _GROUPS: dict[tuple[int, float], _ControlGroups] = {}
 # Where a rank that aborts the control groups leaves its failure for the others (in the training world's store).
 _STORE_PREFIX = "fsdp_vllm_sync/control"
+# How many coordinators this process made: every rank makes them at the same points (they make groups), so the count
+# names one coordinator alike on every rank (the key of its outcome records).
+_COORDINATORS = [0]
 
 
 @dataclass
@@ -230,6 +233,10 @@ class Coordinator:
         self.timeout_s = timeout_s
         self._groups: _ControlGroups | None = None
         self._broken: str | None = None
+        _COORDINATORS[0] += 1
+        self._index = _COORDINATORS[0]
+        # How many times `reopen` ran (once per sync, on every rank): names the sync of an outcome record.
+        self._opened = 0
         if world_size() > 1:
             self.reopen()
 
@@ -246,6 +253,7 @@ class Coordinator:
         sync (every rank did: they fail together), else the ones already made."""
         if world_size() == 1:
             return
+        self._opened += 1
         groups = _GROUPS.get((id(dist.group.WORLD), self.timeout_s))
         if groups is None:
             groups = _open_control_groups(self.timeout_s)
@@ -404,6 +412,42 @@ class Coordinator:
     def broadcast(self, item: object) -> object:
         """Rank 0's `item`, on every rank (bounded like `agree`)."""
         return self.exchange(item)[0]
+
+    def _outcome_key(self, who: int) -> str:
+        return f"{_STORE_PREFIX}/{self.timeout_s:g}/outcome/{self._index}/{self._opened}/{who}"
+
+    def record_outcome(self, outcome: str) -> None:
+        """Leave this rank's outcome of the current sync's commit (`fsdp_sync.sync.frame`) in the training world's
+        store, before the collective that tells it to the others, so that a rank that fails inside that collective
+        still learns it (`learn_outcomes`). A store that cannot be written is logged: the collective still tells."""
+        if world_size() == 1:
+            return
+        store = _world_store()
+        try:
+            if store is None:
+                raise RuntimeError("this training world has no store the ranks share")
+            store.set(self._outcome_key(rank()), outcome)
+        except Exception as e:  # noqa: BLE001 - the agreement that follows tells the outcome in the usual case
+            logger.warning("weight sync: could not record this rank's commit outcome in the store: %s", e)
+
+    def learn_outcomes(self, wait_s: float) -> dict[int, str] | None:
+        """Every other rank's outcome record of the current sync (`record_outcome`), waiting up to `wait_s` for
+        each; None where one cannot be read (a rank that never recorded: it died, or no store)."""
+        store = _world_store()
+        if store is None:
+            return None
+        found: dict[int, str] = {}
+        try:
+            for other in range(world_size()):
+                if other == rank():
+                    continue
+                key = self._outcome_key(other)
+                store.wait([key], datetime.timedelta(seconds=wait_s))
+                found[other] = store.get(key).decode()
+        except Exception as e:  # noqa: BLE001 - an outcome not learnt is said as unknown by the caller
+            logger.warning("weight sync: could not learn the other ranks' commit outcome: %s", e)
+            return None
+        return found
 
     def _timed_out(self, e: RuntimeError, failure: RankFailure | None) -> SyncTimeoutError:
         self._broken = f"{type(e).__name__}: {e}"

@@ -42,7 +42,8 @@ class RankFailure:
             (inside a control collective of the sync's own groups: an agreement or a status round), `patch` (the
             sparse round: diff, counts, patches, and their collectives), `gather` (this rank's part of the all-gathers), `map`, `merge`, `cast` (turning a
             gathered tensor into the engine's), `push` (the engine or the transport), `verify` (the optional
-            read-back of the engine's digests), `publish` (stamping the engine's weight version, last); an adapter sync's: `adapter.plan` (its plan and base check),
+            read-back of the engine's digests), `publish` (the commit point: stamping the engine's weight version, or
+            publishing the adapter version, last), `settle` (after a commit: the trainer's versions moving with it); an adapter sync's: `adapter.plan` (its plan and base check),
             `adapter.pieces` (this rank's adapter pieces and their exchange), `push`. docs/failures.md lists the
             fault points of each.
     """
@@ -71,12 +72,16 @@ class EngineState:
         previous: engine parameter names that still hold the previous sync's values.
         undefined: checkpoint tensor names whose engine weights hold undefined values.
         note: one sentence on how the writer knows.
+        version: the version generation is served under: the engine's weight version as this trainer stamped it
+            (`fsdp_sync.versions`), or the adapter version requests name (an adapter sync); None where this rank
+            does not know one (nothing published yet, or an engine that keeps none).
     """
 
     status: str
     previous: tuple[str, ...] = ()
     undefined: tuple[str, ...] = ()
     note: str = ""
+    version: str | None = None
 
     @property
     def current(self) -> bool:
@@ -103,6 +108,8 @@ class EngineState:
             text += f"; the weights loaded from {len(self.undefined)} tensor(s) hold undefined values: {listed(self.undefined)}"
         if self.previous:
             text += f"; {len(self.previous)} engine weight(s) still hold the previous values: {listed(self.previous)}"
+        if self.version is not None:
+            text += f"; generation is served version {self.version}"
         return text + (f" ({self.note})" if self.note else "")
 
 
@@ -112,6 +119,9 @@ class SyncError(RuntimeError):
     Attributes:
         failures: every failing rank with its stage and error (filled in once the ranks have agreed).
         engine: this rank's engine state after the failure (None where this rank has no engine).
+        landed: the sync had committed when the failure came (`fsdp_sync.sync.frame`, the commit point): its
+            weights and version are in the engine, and the trainer's own versions (the async trainer's
+            `model_version` and rollout worker) moved with them; the failure is a rank's, after that point.
     """
 
     def __init__(self, message: str, *, failures: tuple[RankFailure, ...] = (), engine: EngineState | None = None):
@@ -123,9 +133,15 @@ class SyncError(RuntimeError):
         self.says_engine = False
         # This rank writes into no engine (server mode: only the main process sends); set by the caller that knows.
         self.writes_no_engine = False
+        self.landed = False
 
     def __str__(self) -> str:
         text = super().__str__()
+        if getattr(self, "landed", False):
+            text += (
+                " This sync had committed before the failure: its weights and version landed in the engine, and "
+                "the trainer's versions moved with them."
+            )
         if not getattr(self, "says_engine", False):
             return text
         if getattr(self, "engine", None) is not None:

@@ -237,6 +237,8 @@ class FSDPVLLMSyncMixin:
             if backend is not Backend.DEEPSPEED or self._fvs_builtin_sync is None:
                 device = self.accelerator.device  # type: ignore[attr-defined]
                 sync = build_sync(model, self._fvs_writer(), self.sync_config, device=device, backend=backend)
+                # What the trainer moves when a sync commits (the async trainer's policy version), every rank.
+                sync.on_publish = self._fvs_seam.publisher(self)
                 if sync.serves_adapter:
                     writer = self._fvs_server_writer
                     kept = writer.kept_adapter_versions if writer is not None and writer.client is not None else None

@@ -159,6 +159,11 @@ class ServerClient(HTTPVLLMWeightSyncClient):
         workers = [set(w) for w in answers if isinstance(w, list)]
         return frozenset(set.intersection(*workers)) if workers else frozenset()
 
+    def model_names(self) -> list[str]:
+        """The model names the server serves (`/v1/models`: its model and the adapter versions it serves)."""
+        answer = self._request("GET", "v1/models")
+        return [str(m["id"]) for m in (answer or {}).get("data", [])]
+
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """Run a method of vLLM's workers on every worker (`/collective_rpc`, the development route); the answers
         of the first data-parallel replica's workers only (vLLM 0.32's `DPLBAsyncMPClient.call_utility_async`)."""

@@ -86,11 +86,16 @@ class _Versions:
         found = self._read()
         return None if found == self.stamped else describe_replaced(found, self.stamped)
 
-    def stamp(self, version: str) -> None:
-        """After a complete push: give the engine's weights `version` (nothing where the engine keeps none)."""
-        if self._supported:
-            self._write(version)
-            self.stamped = version
+    def stamp(self, version: str) -> str | None:
+        """After a complete push: give the engine's weights `version` (nothing where the engine keeps none).
+        Returns the version stamped (None where the engine keeps none)."""
+        if not self._supported:
+            return None
+        self._write(version)
+        if not self._supported:  # found out by this write
+            return None
+        self.stamped = version
+        return version
 
 
 class ColocateVersions(_Versions):
@@ -149,6 +154,18 @@ class ServerVersions(_Versions):
             self.client.update_weight_version(version)
         except ServerRouteMissing as e:
             self._unsupported(str(e))
+        except Exception as e:
+            # NOTE: the commit point (`fsdp_sync.sync.frame`): a request that failed may still have been carried out
+            # (its answer lost). The outcome is read back, never guessed: the trainer's versions must move exactly
+            # when the server's did.
+            try:
+                found = str(self.client.weight_version())
+            except Exception as asked:  # noqa: BLE001 - the request's own failure is the one raised
+                logger.warning("weight sync: the server's weight version after a failed stamp: %s", asked)
+                raise e from None
+            if found != version:
+                raise
+            logger.warning("weight sync: the stamp's request failed (%s), but the server holds %s", e, version)
 
     def after_failure(self, error: Exception, timeout_s: float) -> EngineState | None:
         """What the server holds after a failed round, where the transport cannot tell: "unknown" when it does not

@@ -62,6 +62,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="make this sync (1-based) fail on the last rank inside the push's outcome agreement (after the server's "
         "weights were written), then sync again by hand",
     )
+    p.add_argument(
+        "--barrier-fault",
+        action="append",
+        default=[],
+        metavar="SYNC:FROM_END",
+        help="fault injection from outside the library on the last rank (fsdp_sync._demo.outside_faults): its "
+        "torch.distributed.monitored_barrier raises in agreement FROM_END (0: the last) of sync SYNC (1-based); a "
+        "sync that landed all the same is not tried again",
+    )
     return p.parse_args(argv)
 
 
@@ -126,6 +135,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
     checks: list[dict[str, Any]] = record["checks"]
     sync_index = {"n": 0}
+    from fsdp_sync._demo.outside_faults import BarrierFaults
+
+    barriers = BarrierFaults(args.barrier_fault, rank == world - 1)
+    record["barrier_faults"] = barriers.fired
 
     class Trainer(FSDPVLLMSyncMixin, AsyncGRPOTrainer):
         """A user's subclass: checks the server after each sync (what a callback of theirs could do)."""
@@ -138,24 +151,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             it: one window per try, so that a failed try's pause for its write is never counted against the data
             its retry moves."""
             watch = PauseWatch(args.server_url) if rank == 0 else contextlib.nullcontext()
-            ok = False
+            ok = landed = False
+            # a later sync of the usual shape (not the first, not a retry): its agreements are counted
+            retry = faulted == "retry"
+            barriers.start(0 if retry else sync_index["n"], shaped=sync_index["n"] > 1 and not retry)
             try:
                 with watch:
-                    if faulted is not None and rank == world - 1:
+                    if faulted not in (None, "retry") and rank == world - 1:
                         with injecting(Injector(lambda point, context: point == faulted)):
                             super()._sync_weight()
                     else:
                         super()._sync_weight()
                 ok = True
+            except Exception as e:
+                landed = bool(getattr(e, "landed", False))
+                raise
             finally:
+                barriers.done(ok)
                 if rank == 0:
-                    record["pause_watch"].append({**watch.summary(), "ok": ok})
+                    # NOTE: a try that landed (it failed after its commit point) wrote the server like one that
+                    # succeeded: its pause window is counted with theirs.
+                    record["pause_watch"].append({**watch.summary(), "ok": ok or landed})
 
         def _sync_weight_checked(self) -> None:
             import requests
 
             sync_index["n"] += 1
             faulted = {args.fault_at: "gather.prepare", args.late_fault_at: "agree.outcome"}.get(sync_index["n"])
+            outside = sync_index["n"] in {int(spec.split(":")[0]) for spec in args.barrier_fault}
             # Read from outside the library: the server's weight version and the rollout worker's (main process).
             version_before = requests.get(f"{args.server_url}/weight_info", timeout=30).json()["weight_version"]
             worker_before = _worker_version(self)
@@ -169,6 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 record["errors"].append(
                     {"sync": sync_index["n"], "type": type(e).__name__, "message": str(e)[:2000],
                      "is_sync_error": isinstance(e, SyncError), "seconds": time.perf_counter() - started,
+                     "landed": bool(getattr(e, "landed", False)),
+                     "version": getattr(getattr(e, "engine", None), "version", None),
                      "model_version": self.model_version, "engine_is_current": self.engine_is_current,
                      "server_paused_after": paused, "server_weight_version_before": version_before,
                      "server_weight_version_after": requests.get(f"{args.server_url}/weight_info",
@@ -176,9 +201,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "rollout_worker_version_before": worker_before,
                      "rollout_worker_version_after": _worker_version(self)}  # fmt: skip
                 )
-                if faulted is None:
+                if faulted is None and not outside:
                     raise
-                self._attempt(None)  # the retry: must be complete and exact
+                if not getattr(e, "landed", False):
+                    self._attempt("retry")  # the retry: must be complete and exact
             record["sync_seconds"].append(time.perf_counter() - started)
             writer = getattr(self._fvs_sync, "writer", None)
             record["pauses"].append(getattr(writer, "last_pause", None))

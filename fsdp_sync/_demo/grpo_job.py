@@ -136,6 +136,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--verify", action="store_true", help="SyncConfig(verify=True)")
     p.add_argument("--check-finite", action="store_true", help="SyncConfig(check_finite=True)")
     p.add_argument(
+        "--corrupt-adapter",
+        type=int,
+        default=None,
+        metavar="SYNC",
+        help="fault injection from outside the library on rank 0 (fsdp_sync._demo.outside_faults): the adapter of sync "
+        "SYNC (0-based) reaches the engine changed (colocated: vLLM's LoRA manager registers it changed; server: its "
+        "bytes change on the wire); after the failure rank 0 probes what generation is served",
+    )
+    p.add_argument(
+        "--barrier-fault",
+        action="append",
+        default=[],
+        metavar="SYNC:FROM_END",
+        help="fault injection from outside the library on the last rank: its torch.distributed.monitored_barrier "
+        "raises in agreement FROM_END (0: the last) of sync SYNC (0-based), counted in its last clean later sync",
+    )
+    p.add_argument(
         "--tamper-engine",
         default=None,
         metavar="NAME:SYNC",
@@ -846,6 +863,51 @@ def _held_adapter_tensor(trainer: Any, key: str) -> Any:
     return served_lora_tensors(lora, packed)[key]
 
 
+def probe_after_failure(trainer: Any, checker: Any, server_url: str | None) -> dict[str, Any]:
+    """Right after a failed adapter sync, from outside the library (rank 0): the version the trainer's requests
+    name, whether generation with it answers as it did after the last verified sync (the checker's last first-token
+    logprobs, same prompts), and whether the failed version can be asked for at all (colocated: a request naming
+    id among those vLLM holds; a server: a request naming it, and `/v1/models`)."""
+    from fsdp_sync._demo.engine import LOGPROB_PROMPTS
+
+    request = trainer.adapter_request
+    last = checker.records[-1]["engine_logprobs"] if checker is not None and checker.records else None
+    failed_name = f"fsdp-vllm-sync-v{checker.records[-1]['adapter_id'] + 1}" if last is not None else None
+    probe: dict[str, Any] = {"request": getattr(request, "lora_name", request), "failed_name": failed_name}
+    logprobs: list[dict[int, float]] = []
+    if server_url is None:
+        from vllm import SamplingParams
+
+        llm = _engine(trainer)
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+        for prompt in LOGPROB_PROMPTS:  # the engine's generate, as TRL calls it (the mixin names the request)
+            ids = trainer.processing_class(prompt)["input_ids"]
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+            logprobs.append({int(t): lp.logprob for t, lp in out.items()})
+        # NOTE: asked of vLLM (the adapter ids its worker holds), not generated with: a request naming an id the
+        # engine does not hold would make vLLM load it from its path, which names no file.
+        probe["held_ids"] = sorted(int(i) for i in llm.llm_engine.list_loras())
+    else:
+        import requests
+
+        for prompt in LOGPROB_PROMPTS:
+            ids = trainer.processing_class(prompt)["input_ids"]
+            body = {"model": probe["request"], "prompt": ids, "max_tokens": 1, "temperature": 0.0, "logprobs": 5,
+                    "return_tokens_as_token_ids": True}  # fmt: skip
+            answer = requests.post(f"{server_url}/v1/completions", json=body, timeout=120).json()
+            top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+            logprobs.append({int(t.split(":", 1)[1]): lp for t, lp in top.items()})
+        body = {"model": failed_name, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0.0}
+        probe["failed_version"] = requests.post(f"{server_url}/v1/completions", json=body, timeout=120).status_code
+        probe["models"] = sorted(m["id"] for m in requests.get(f"{server_url}/v1/models", timeout=30).json()["data"])
+        probe["health"] = requests.get(f"{server_url}/health", timeout=30).status_code
+    probe["logprobs"] = logprobs
+    probe["same_as_last_verified"] = last is not None and all(
+        a.keys() == b.keys() and all(a[t] == b[t] for t in a) for a, b in zip(logprobs, last, strict=True)
+    )
+    return probe
+
+
 def _engine_model(trainer: Any) -> Any:
     from fsdp_sync.compat.engine_api import engine_handle
 
@@ -1044,7 +1106,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sync_seconds: list[float] = []
     syncs_started: list[float] = []
     injections.trainer = trainer
-    faulting = bool(args.inject or args.soak or args.tamper_engine or args.server_action)
+    faulting = bool(
+        args.inject or args.soak or args.tamper_engine or args.server_action or args.barrier_fault
+        or args.corrupt_adapter is not None
+    )  # fmt: skip
+    from fsdp_sync._demo.outside_faults import BarrierFaults, corrupt_adapter_broadcast, corrupt_colocated_adapter
+
+    barriers = BarrierFaults(args.barrier_fault, result["rank"] == trainer.accelerator.num_processes - 1)
+    last_ok = {"ok": False}
+    if args.corrupt_adapter is not None and result["rank"] == 0:
+        if server:
+            corrupt_adapter_broadcast(lambda: injections.sync == args.corrupt_adapter)
+        else:
+            corrupt_colocated_adapter(args.corrupt_adapter + 1)
     from fsdp_sync._demo.server_actions import ServerActions
 
     actions = ServerActions(args.server_action, args.out_dir, result["rank"])
@@ -1053,7 +1127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Server mode with faults: the server's weight version (`/weight_info`) around every sync, read from outside the
     # library, so that a test can check it moves only after a sync that succeeded on every rank.
     versions_client: Any = None
-    if server and args.inject and result["rank"] == 0:
+    if server and (args.inject or args.barrier_fault) and result["rank"] == 0:
         from fsdp_sync.server_client import ServerClient
 
         versions_client = ServerClient(args.server_url, timeout=60)
@@ -1075,6 +1149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         syncs_started.append(time.perf_counter())
         counted = (counter.unshards, counter.gathered) if counter is not None else None
         ok = False
+        barriers.start(index, shaped=index >= 1 and last_ok["ok"])
         try:
             inner_sync()
             ok = True
@@ -1093,7 +1168,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 },
                 "stale": not trainer.engine_is_current,
                 "report": trainer.sync_reports[-1].as_dict(),
+                "landed": e.landed,
+                "version": None if engine is None else engine.version,
             }  # fmt: skip
+            if args.corrupt_adapter is not None and result["rank"] == 0:
+                record["probe"] = probe_after_failure(trainer, checker, args.server_url if server else None)
             if before is not None:
                 # On every rank (the reference model is gathered); a rank without a claim (a server rank that does not
                 # push) is checked for old-or-new only.
@@ -1102,6 +1181,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sync_seconds.append(record["seconds"])
             return  # training goes on: the mixin syncs again before the next generation
         finally:
+            barriers.done(ok)
+            last_ok["ok"] = ok
             if versions_client is not None:
                 after = versions_client.weight_version()
                 result["server_versions"].append({"sync": index, "ok": ok, "before": version_before, "after": after})
@@ -1127,6 +1208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         since = syncs_started[-1] if in_sync else start
         result["error"] = _error_record(e, "sync" if in_sync else "train", time.perf_counter() - since)
     result["train_seconds"] = time.perf_counter() - start
+    result["barrier_faults"] = barriers.fired
     result["global_step"] = trainer.state.global_step
     result["wrapper"] = _wrapper_info(trainer.model_wrapped)
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper

@@ -1,12 +1,13 @@
 """Adapter syncs (`SyncConfig.adapter`): push only a LoRA adapter's tensors into the engine's LoRA manager, in memory;
 the engine keeps the base it loaded from its own checkpoint.
 
-Why its own sync, not a selection policy of `WeightSync`: nothing of the merged path applies. There is no engine
+Why its own kind of the one sync (`frame.SyncFrame`), not a selection policy of `WeightSync`: nothing of the merged
+path's steps applies. There is no engine
 manifest to plan against (the engine's weights are never written), no gather of FSDP units (each rank hands over its
 own part of each `lora_A`/`lora_B` and the parts are exchanged on the sync's own group (`adapter.pieces`): no base
 parameter is ever unsharded), and the engine's writer is its LoRA manager. What it shares with `WeightSync` is the
-contract: `sync()` on every rank, one `SyncReport`, a failure on any rank raised on every rank (`distributed.agreed`,
-`Coordinator.run`), `resync()`.
+frame: `sync()` on every rank in the same order (deadline, check_finite, push, verify, publish last), one
+`SyncReport`, a failure on any rank raised on every rank (`distributed.agreed`, `Coordinator.run`), `resync()`.
 
 Steps:
 1. plan, once: the adapter's weights by trainer name, their PEFT checkpoint names, its config; what the engine
@@ -15,8 +16,9 @@ Steps:
    checkpoint (`torch.equal`; only the rows holding them are read; no gather); a different base is an error before
    anything is written.
 3. every sync: this rank's pieces of the adapter (`Gatherer.local_pieces`), exchanged (`gather_pieces`), built into
-   an adapter that every rank agrees on, then loaded into the engine under a new id (`AdapterWriter.load_adapter`);
-   the previous version is unloaded.
+   an adapter that every rank agrees on, then loaded into the engine beside the version it serves
+   (`AdapterWriter.load_adapter`), verified, and published at the commit point (`publish_adapter`): only then do
+   requests name it, and the previous version may be unloaded.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from ..distributed import Coordinator, agreed, collective
 from ..errors import EngineState, NonFiniteWeightsError, RankFailure, SyncError, UnsupportedSetupError, agreed_error
 from ..gather.base import Gatherer, Piece
 from ..report import AdapterFigures, SyncReport
-from ..writers.base import AdapterWriter, BoundedWriter, EngineWriter
-from .contract import writer_budget
+from ..writers.base import AdapterWriter, EngineWriter
+from .frame import Pushed, SyncFrame, Verified
 from .verify import verify_adapter
 
 __all__ = ["AdapterPlan", "AdapterSync", "adapter_plan", "adapter_refusal", "gather_pieces"]
@@ -292,8 +294,14 @@ def _checkpoint_files(checkpoint_dir: str) -> dict[str, Path]:
     return files
 
 
-class AdapterSync:
-    """Pushes the trainer's LoRA adapter into the engine on each `sync()`; every rank calls it.
+class AdapterSync(SyncFrame):
+    """Pushes the trainer's LoRA adapter into the engine on each `sync()` (the frame's); every rank calls it.
+
+    Each sync's adapter is a new version, loaded beside the one generation is served (`AdapterWriter.load_adapter`:
+    staged), verified, and only at the commit point published (`publish_adapter`: requests name it, the previous
+    one may be evicted). A failure before that drops the staged version (`abandon_adapter`): requests keep naming
+    the previous one, still loaded. A failed version's number is taken again by the retry; the writers make sure
+    nothing the engine computed with the failed contents is ever served under that name (docs/adapters.md).
 
     Args:
         model: the PEFT model as the user built it (its adapter config).
@@ -316,19 +324,16 @@ class AdapterSync:
         backend: str = "",
         name_prefix: str = "fsdp-vllm-sync",
     ) -> None:
+        self._frame(config, writer, Coordinator(config.sync_timeout_s), backend)
         self.model = model
         self.gatherer = gatherer
-        self.writer = writer
-        self.config = config
         self.rules = rules
-        self.backend = backend
         self.name_prefix = name_prefix
-        self.coordinator = Coordinator(config.sync_timeout_s)
+        # The adapter version published last (what requests name); moves only at the commit point.
         self.version = 0
         self._plan: AdapterPlan | None = None
         self._base_seconds = 0.0
-        # Decided once: whether this rank's writer has waits outside this process to bound by the sync's deadline.
-        self._bounded = writer if writer.pushes and isinstance(writer, BoundedWriter) else None
+        self._first = True
 
     # --- the `contract.Sync` the mixin drives ---
 
@@ -338,6 +343,7 @@ class AdapterSync:
     @property
     def adapter_prefix(self) -> str:
         return self.name_prefix
+
     sync_plan = None  # an adapter sync's plan is its `AdapterPlan` (`checked_plan`)
 
     @property
@@ -354,14 +360,14 @@ class AdapterSync:
         """Nothing to forget: every adapter sync sends the whole adapter."""
 
     def adapter_request(self) -> object | None:
-        """The `LoRARequest` generation must pass for the adapter loaded last (None before the first sync, and on a
-        rank without an engine)."""
+        """The `LoRARequest` generation must pass for the adapter published last (None before the first sync, and
+        on a rank without an engine)."""
         return self.writer.adapter_request() if isinstance(self.writer, AdapterWriter) and self.writer.pushes else None
 
     def _unchanged(self) -> EngineState | None:
-        return EngineState("unchanged") if self.writer.pushes else None
+        return EngineState("unchanged", version=self._served()) if self.writer.pushes else None
 
-    def _failed(self, e: Exception | None, failures: list[RankFailure]) -> SyncError:
+    def _failed_stage(self, e: Exception | None, failures: list[RankFailure]) -> SyncError:
         return agreed_error(e, failures, self._unchanged())
 
     def plan(self) -> AdapterPlan:
@@ -372,7 +378,7 @@ class AdapterSync:
         """
         if self._plan is None:
             started = time.perf_counter()
-            plan = agreed(self.coordinator, "adapter.plan", self._make_plan, self._failed)
+            plan = agreed(self.coordinator, "adapter.plan", self._make_plan, self._failed_stage)
             self._base_seconds = time.perf_counter() - started
             self._plan = plan
         return self._plan
@@ -400,25 +406,25 @@ class AdapterSync:
         tensors = {plan.checkpoint[n]: full[n].view(specs[n].shape) for n in plan.names}
         return Adapter(version, f"{self.name_prefix}-v{version}", tensors, plan.config)
 
-    def sync(self) -> SyncReport:
-        """Push the adapter's current tensors as a new adapter version; every rank must call it.
+    # --- the steps of `frame.SyncFrame.sync` ---
 
-        Raises:
-            SyncError: on every rank when any rank failed (the engine keeps the previous adapter where the failure
-                came before the load).
-        """
-        self.coordinator.reopen()
-        if self._bounded is not None:
-            self._bounded.bound(time.monotonic() + writer_budget(self.config.sync_timeout_s))
-        first = self._plan is None
-        plan = self.plan()
+    def _checked_plan(self) -> AdapterPlan:
+        self._first = self._plan is None
+        return self.plan()
+
+    def _pieces(self, plan: AdapterPlan) -> list[Piece]:
+        return agreed(
+            self.coordinator, "adapter.pieces", lambda: list(self.gatherer.local_pieces(plan.names)), self._failed_stage
+        )
+
+    def _check_finite(self, plan: AdapterPlan) -> None:
+        pieces = self._pieces(plan)
+        agreed(self.coordinator, "check", lambda: _check_finite(pieces), self._failed_stage)
+
+    def _push(self, plan: AdapterPlan) -> Pushed:
         start = time.perf_counter()
         specs = self.gatherer.specs()
-        pieces = agreed(
-            self.coordinator, "adapter.pieces", lambda: list(self.gatherer.local_pieces(plan.names)), self._failed
-        )
-        if self.config.check_finite:
-            agreed(self.coordinator, "check", lambda: _check_finite(pieces), self._failed)
+        pieces = self._pieces(plan)
         numels = [math.prod(specs[n].shape) for n in plan.names]
         dtypes = [specs[n].dtype for n in plan.names]
         version = self.version + 1
@@ -435,7 +441,7 @@ class AdapterSync:
             # NOTE: every rank agrees before any engine loads: a rank that raised just after the exchange's last
             # all-gather returned (the others had left it) would otherwise leave their engines on the new version.
             adapter = agreed(
-                self.coordinator, "adapter.pieces", lambda: self._adapter(plan, full, version), self._failed
+                self.coordinator, "adapter.pieces", lambda: self._adapter(plan, full, version), self._failed_stage
             )
         except SyncError as e:
             e.engine = e.engine or self._unchanged()
@@ -447,15 +453,47 @@ class AdapterSync:
             except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
                 error = e
         failures = self.coordinator.agree_on("push", error)
+        staged = None
+        if adapter is not None:
+            staged = EngineState(
+                "unchanged",
+                note=f"adapter {adapter.name} was loaded beside it and is dropped: requests still name the previous one",
+                version=self._served(),
+            )
         if failures:
-            state = EngineState("undefined") if error is not None else self._unchanged()
-            raise agreed_error(error, failures, state)
-        verified = verify_adapter(self.coordinator, self.writer, adapter) if self.config.verify else None
-        self.version = version
-        seconds = time.perf_counter() - start
+            raise agreed_error(error, failures, staged)
+        return Pushed(staged, time.perf_counter() - start, adapter)
+
+    def _verify(self, pushed: Pushed) -> Verified:
+        started = time.perf_counter()
+        checked = verify_adapter(self.coordinator, self.writer, pushed.detail, pushed.engine)  # type: ignore[arg-type]
+        return Verified(checked, 0, time.perf_counter() - started)
+
+    def _commit(self, pushed: Pushed) -> str | None:
+        adapter: Adapter = pushed.detail
+        self.writer.publish_adapter(adapter)  # type: ignore[attr-defined]
+        return adapter.name
+
+    def _served(self) -> str | None:
+        return f"{self.name_prefix}-v{self.version}" if self.version else None
+
+    def _published(self, pushed: Pushed) -> int | None:
+        return self.version
+
+    def _landed(self, pushed: Pushed) -> None:
+        self.version += 1
+
+    def _abandon(self) -> None:
+        if self.writer.pushes and isinstance(self.writer, AdapterWriter):
+            self.writer.abandon_adapter()
+
+    def _report(self, pushed: Pushed, verified: Verified | None) -> SyncReport:
+        plan = self.plan()
+        specs = self.gatherer.specs()
+        adapter: Adapter | None = pushed.detail
         sent = sum(t.numel() * t.element_size() for t in adapter.tensors.values()) if adapter is not None else 0
         return SyncReport(
-            seconds=seconds,
+            seconds=pushed.seconds,
             bytes=sent,
             tensors=len(plan.names),
             peak_extra_bytes=sum(math.prod(specs[n].shape) * specs[n].dtype.itemsize for n in plan.names),
@@ -463,12 +501,13 @@ class AdapterSync:
             backend=self.backend,
             strategy=self.strategy,
             writer=self.writer_kind,
-            verified=verified,
+            verified=verified.checked if verified is not None else None,
+            verify_seconds=verified.seconds if verified is not None else 0.0,
             figures=(
                 AdapterFigures(
-                    adapter_id=version,
+                    adapter_id=self.version,
                     adapter_tensors=len(plan.names),
-                    base_checked_seconds=self._base_seconds if first else 0.0,
+                    base_checked_seconds=self._base_seconds if self._first else 0.0,
                 ),
             ),
         )

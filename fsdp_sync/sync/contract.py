@@ -1,13 +1,14 @@
 """The one contract every sync kind keeps with the mixin (`Sync`), and the writer's share of the sync's deadline.
 
 Why a contract: complete, delta and sparse syncs (`pipeline.WeightSync`) and adapter syncs (`adapter.AdapterSync`)
-send different things, but the mixin drives them alike: it builds one, calls `sync()` on every rank, records its
+send different things through the one sync body (`frame.SyncFrame`), and the mixin drives them alike: it builds one, calls `sync()` on every rank, records its
 report or its failure (named by `backend`, `strategy` and `writer_kind`), and asks it for `resync()`, the plan and
 the adapter generation must name. It never asks which kind it holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -15,7 +16,11 @@ if TYPE_CHECKING:
     from ..writers.base import EngineWriter
     from .stream import SyncPlan
 
-__all__ = ["Sync", "writer_budget"]
+__all__ = ["PublishHook", "Sync", "writer_budget"]
+
+# What the trainer moves when a sync commits (its own versions: `trainers.base.TrainerSeam.publisher`), called on
+# every rank that learns the sync landed, with the adapter version the sync published (None for weights).
+PublishHook = Callable[[int | None], None]
 
 
 class Sync(Protocol):
@@ -29,10 +34,13 @@ class Sync(Protocol):
         serves_adapter: generation must ask for the adapter the last sync loaded (`adapter_request`).
         adapter_prefix: the adapter versions it pushes are named `<adapter_prefix>-v<N>`, N its version (None for a
             sync that pushes no adapter).
+        on_publish: what the trainer moves at each sync's commit point (`PublishHook`: its own versions,
+            with the engine's); None: nothing.
     """
 
     backend: str
     writer: EngineWriter
+    on_publish: PublishHook | None
 
     @property
     def strategy(self) -> str: ...

@@ -1,9 +1,10 @@
-"""One sync, in the order every mode shares: plan -> check -> select -> push -> verify -> publish -> settle -> report.
+"""Complete, delta and sparse syncs: the weights' steps of the one sync (`frame.SyncFrame`: plan -> check -> select ->
+push -> verify -> publish -> settle -> report).
 
 Where each step lives (`fsdp_sync/sync/`): the plan and the checks before any gather (`plan.py`), what this sync
 sends (a selection policy chosen once, `select.py`: everything, `delta.py`, `sparse.py`), the data path (`stream.py`),
-the push with this rank's role decided once (`push.py`), the engine's digests (`verify.py`). `WeightSync` knows the
-order of the steps, never the modes.
+the push with this rank's role decided once (`push.py`), the engine's digests (`verify.py`). `WeightSync` gives the
+steps, never the modes; their order, and the commit point, are the frame's.
 
 Failure behaviour (docs/failures.md): whatever fails on one rank, every rank finishes its part of the gathers, then
 all ranks agree on the outcome within `SyncConfig.sync_timeout_s`, and every rank raises one `SyncError` naming each
@@ -23,18 +24,17 @@ from fsdp_sync.compat.names import NameRules
 
 from ..config import SyncConfig
 from ..distributed import Coordinator
-from ..errors import SyncError
 from ..gather.base import Gatherer
 from ..memory import MemoryMeter
 from ..peft_merge import PeftMerge
 from ..report import SyncReport
-from ..writers.base import BoundedWriter, EngineWriter
-from .contract import writer_budget
+from ..writers.base import EngineWriter
+from .frame import Pushed, SyncFrame, Verified
 from .plan import check_finite, make_plan
 from .push import Push
 from .select import Everything, SelectionPolicy
 from .stream import SyncPlan, WeightStream
-from .verify import EngineDigests, VerifyResult, verify_push
+from .verify import EngineDigests, verify_push
 
 __all__ = ["PolicyFactory", "WeightSync"]
 
@@ -49,8 +49,8 @@ _COMPLETE = SyncConfig(delta=False)
 PolicyFactory = Callable[["WeightSync"], SelectionPolicy]
 
 
-class WeightSync:
-    """Joins one weight stream and one writer; `sync()` runs one push.
+class WeightSync(SyncFrame):
+    """Joins one weight stream and one writer; `sync()` (the frame's) runs one push.
 
     Args:
         gatherer: produces full tensors by trainer name.
@@ -84,24 +84,20 @@ class WeightSync:
         uncast: frozenset[str] = frozenset(),
         policy: PolicyFactory | None = None,
     ) -> None:
-        self.config = config or _COMPLETE
-        if policy is None and self.config.delta:
+        config = config or _COMPLETE
+        if policy is None and config.delta:
             raise ValueError(
                 "WeightSync was given SyncConfig(delta=True) without a selection policy; build the sync with "
                 "fsdp_sync.assemble.build_sync (or pass policy=fsdp_sync.assemble.policy_for)"
             )
+        self._frame(config, writer, Coordinator(config.sync_timeout_s), backend)
         self.uncast = uncast
         self.gatherer = gatherer
-        self.writer = writer
-        self.backend = backend
         self.meter = MemoryMeter(torch.device(device))
         self.stream = WeightStream(
             gatherer, rules=rules, layout=layout, merge=merge, dtype=writer.engine_dtype, meter=self.meter, uncast=uncast
         )
-        self.coordinator = Coordinator(self.config.sync_timeout_s)
         self.push = Push(writer, self.stream, gatherer, self.coordinator)
-        # Decided once: whether the writer has waits outside this process to bound by the sync's deadline (a server).
-        self._bounded = writer if self.push.own_engine and isinstance(writer, BoundedWriter) else None
         self.policy: SelectionPolicy = policy(self) if policy is not None else Everything()
         self._plan: SyncPlan | None = None
         self._digests: EngineDigests | None = None
@@ -163,50 +159,54 @@ class WeightSync:
         if self._digests is not None:
             self._digests.forget()
 
-    def sync(self) -> SyncReport:
-        """Gather, map, cast and push every parameter the policy chose; every rank must call it (it runs collectives).
+    # --- the steps of `frame.SyncFrame.sync` ---
 
-        Raises:
-            SyncError: on every rank when any rank failed (see `push.Push.run`); `NonFiniteWeightsError` before
-                anything is sent with `check_finite`; `VerifyError` with `verify` when the engine differs from what
-                was sent; `SyncTimeoutError` when a rank does not arrive in time. The next sync is then complete.
-        """
-        config = self.config
-        self.coordinator.reopen()
-        if self._bounded is not None:
-            self._bounded.bound(time.monotonic() + writer_budget(config.sync_timeout_s))
+    def _open(self) -> None:
         self.meter.start()
-        try:
-            plan = self.plan()
-            if config.check_finite:
-                check_finite(self.gatherer, plan, self.coordinator, self.push.unchanged)
-            payload = self.policy.choose(plan)
-            digests = self._digests
-            if digests is not None:
-                digests.reset()
-                if payload.fresh:  # the engine was replaced: nothing to compare with what it held before
-                    digests.forget()
-            start = time.perf_counter()
-            pushed, run = self.push.run(plan, payload, digests)
-            if self.meter.device.type == "cuda":
-                torch.cuda.synchronize(self.meter.device)
-            seconds = time.perf_counter() - start + payload.patch_seconds
-            verified: VerifyResult | None = None
-            verify_seconds = 0.0
-            if config.verify:
-                started = time.perf_counter()
-                verified = verify_push(self.coordinator, self.writer.engine_digests, digests, pushed)
-                verify_seconds = time.perf_counter() - started + (digests.seconds if digests is not None else 0.0)
-                if verified.unverifiable:
-                    logger.warning("weight sync: %s", verified.describe_unverifiable())
-            # Last: the engine's weight version moves only once every rank has agreed (and verified).
-            self.push.publish(pushed)
-        except SyncError:
-            self.resync()  # the engine may hold anything the failure left: the next sync is complete
-            raise
+
+    def _checked_plan(self) -> SyncPlan:
+        return self.plan()
+
+    def _check_finite(self, plan: SyncPlan) -> None:
+        check_finite(self.gatherer, plan, self.coordinator, self.push.unchanged)
+
+    def _push(self, plan: SyncPlan) -> Pushed:
+        payload = self.policy.choose(plan)
+        digests = self._digests
+        if digests is not None:
+            digests.reset()
+            if payload.fresh:  # the engine was replaced: nothing to compare with what it held before
+                digests.forget()
+        start = time.perf_counter()
+        engine, run = self.push.run(plan, payload, digests)
+        if self.meter.device.type == "cuda":
+            torch.cuda.synchronize(self.meter.device)
+        seconds = time.perf_counter() - start + payload.patch_seconds
+        return Pushed(engine, seconds, (payload, run))
+
+    def _verify(self, pushed: Pushed) -> Verified:
+        started = time.perf_counter()
+        digests = self._digests
+        result = verify_push(self.coordinator, self.writer.engine_digests, digests, pushed.engine)
+        if result.unverifiable:
+            logger.warning("weight sync: %s", result.describe_unverifiable())
+        seconds = time.perf_counter() - started + (digests.seconds if digests is not None else 0.0)
+        return Verified(result.checked, len(result.unverifiable), seconds)
+
+    def _commit(self, pushed: Pushed) -> str | None:
+        return self.push.commit()
+
+    def _served(self) -> str | None:
+        return self.push.served
+
+    def _forget(self) -> None:
+        self.resync()  # the engine may hold anything the failure left: the next sync is complete
+
+    def _report(self, pushed: Pushed, verified: Verified | None) -> SyncReport:
+        payload, run = pushed.detail
         settled = self.policy.settle(payload)
         return SyncReport(
-            seconds=seconds,
+            seconds=pushed.seconds,
             bytes=run.bytes,
             tensors=run.tensors,
             peak_extra_bytes=self.meter.peak_extra_bytes(),
@@ -215,7 +215,7 @@ class WeightSync:
             strategy=self.gatherer.strategy,
             writer=self.writer.kind,
             verified=verified.checked if verified is not None else None,
-            unverifiable=len(verified.unverifiable) if verified is not None else None,
-            verify_seconds=verify_seconds,
+            unverifiable=verified.unverifiable if verified is not None else None,
+            verify_seconds=verified.seconds if verified is not None else 0.0,
             figures=self.policy.report(payload, settled),
         )

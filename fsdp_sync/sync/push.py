@@ -43,6 +43,8 @@ class _Writing:
         self.versions = writer if isinstance(writer, VersionedWriter) else None
         self.stamps = VersionStamps()
         self.announced: tuple[PlannedTensor, ...] = ()
+        # The weight version this rank's engine is served under, as the last commit stamped it.
+        self.served: str | None = None
 
     def unchanged(self) -> EngineState | None:
         return EngineState("unchanged")
@@ -81,7 +83,7 @@ class _Writing:
         return EngineState("current")
 
     def finish(self, rounds: Rounds, payload: Payload, engine: EngineState | None) -> EngineState | None:
-        """The patches (a sparse sync), then the end of the push (its weight version is stamped by `publish`, once
+        """The patches (a sparse sync), then the end of the push (its weight version is stamped by `commit`, once
         every rank agreed)."""
         if payload.patches and rounds.error is None and not rounds.stopped:
             try:
@@ -103,10 +105,14 @@ class _Writing:
                 rounds.fail("push", e)
         return engine
 
-    def publish(self) -> None:
-        """Stamp the engine's weight version (where it keeps one): the push is now the one it holds."""
-        if self.versions is not None:
-            self.versions.stamp(self.stamps.next())
+    def commit(self) -> str | None:
+        """Stamp the engine's weight version (where it keeps one): the push is now the one it holds. Returns the
+        version as stamped (a writer may add its label; None where the engine keeps none)."""
+        if self.versions is None:
+            return None
+        version = self.stamps.next()
+        self.served = self.versions.stamp(version) or version
+        return self.served
 
 
 class _Draining:
@@ -114,6 +120,7 @@ class _Draining:
 
     own_engine = False
     versions = None
+    served = None
 
     def unchanged(self) -> EngineState | None:
         return None
@@ -132,8 +139,8 @@ class _Draining:
     def finish(self, rounds: Rounds, payload: Payload, engine: EngineState | None) -> EngineState | None:
         return engine
 
-    def publish(self) -> None:
-        pass
+    def commit(self) -> str | None:
+        return None
 
 
 class Push:
@@ -209,30 +216,20 @@ class Push:
             raise agreed_error(rounds.error, failures, engine)
         return engine, run
 
-    def publish(self, engine: EngineState | None) -> None:
-        """The last step of a sync that every rank agreed on (and verified): the engine's weight version is stamped
-        (this rank's, where it writes into one), then every rank agrees on that.
-
-        Why last: the version says which push the engine holds (the server's `/weight_info`, what the async
-        trainer's rollouts are labelled with); a failure on any rank before this point leaves it where it was.
+    def commit(self) -> str | None:
+        """The commit point of a sync every rank agreed on (and verified), on this rank: its engine's weight version
+        stamped where it writes into one (`frame.SyncFrame`). Returns the version stamped.
 
         Raises:
-            SyncError: on every rank when the stamp failed on any (the engine holds this sync's weights, under its
-                previous version; the next sync is complete).
+            whatever the stamp raised: the version did not move (a writer that cannot tell reads it back).
         """
-        error: Exception | None = None
-        try:
-            self.role.publish()
-        except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
-            error = e
-        failures = self.coordinator.agree_on("publish", error)
-        if failures:
-            state = engine
-            if engine is not None:
-                state = EngineState(
-                    engine.status, engine.previous, engine.undefined, "its weight version was not moved to this sync"
-                )
-            raise agreed_error(error, failures, state)
+        return self.role.commit()
+
+    @property
+    def served(self) -> str | None:
+        """The weight version this rank's engine is served under, as the last commit stamped it (None: none yet,
+        a rank without an engine, or an engine without versions)."""
+        return self.role.served
 
 
 def _unpatched(whole: Sequence[PlannedTensor]) -> EngineState:

@@ -14,6 +14,8 @@ cuts), the weight is reported as unverifiable, by name, never passed silently.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import logging
@@ -431,9 +433,12 @@ def compare_adapter(expected: Mapping[str, str], workers: Mapping[str, Mapping[s
     return result
 
 
-def verify_adapter(coordinator: Coordinator, writer: AdapterWriter, adapter: Adapter | None) -> int:
-    """`SyncConfig(verify=True)` for an adapter sync: the adapter the engine keeps to serve (every worker of a
-    server) against what this rank sent, digest for digest; agreed on every rank. Returns the tensors compared.
+def verify_adapter(
+    coordinator: Coordinator, writer: AdapterWriter, adapter: Adapter | None, staged: EngineState | None
+) -> int:
+    """`SyncConfig(verify=True)` for an adapter sync: the adapter version the engine staged (every worker of a
+    server) against what this rank sent, digest for digest, before it is published; agreed on every rank. Returns
+    the tensors compared.
 
     Why not the merged sync's digests: the engine's weights are untouched; what generation reads is the adapter's
     `lora_a`, and `lora_b` with the scaling folded in (`compat.lora_api.served_lora_tensors`). The expectation is
@@ -442,9 +447,11 @@ def verify_adapter(coordinator: Coordinator, writer: AdapterWriter, adapter: Ada
     Args:
         writer: the sync's `AdapterWriter` (`adapter_digests`).
         adapter: what this rank loaded; None on a rank without an engine (it takes part in the agreement only).
+        staged: this rank's engine after the push (the staged version beside the one served).
 
     Raises:
-        VerifyError: on every rank, when any rank's engine keeps other values than it was sent.
+        VerifyError: on every rank, when any rank's engine keeps other values than it was sent (the staged version
+            is then dropped by the sync: requests keep naming the previous one).
     """
 
     def work() -> int:
@@ -460,17 +467,19 @@ def verify_adapter(coordinator: Coordinator, writer: AdapterWriter, adapter: Ada
             names = ", ".join(result.mismatched[:10]) + (" ..." if len(result.mismatched) > 10 else "")
             raise VerifyError(
                 f"{len(result.mismatched)} of the engine's adapter tensor(s) of {adapter.name} differ from what was "
-                f"sent: {names}. Something other than this sync wrote into the engine's LoRA manager."
+                f"sent: {names}. Something other than this sync wrote into the engine's LoRA manager; "
+                f"{adapter.name} is dropped unpublished."
             )
         return result.checked
 
     def failed(error: Exception | None, failures: list[RankFailure]) -> SyncError:
-        engine = None
-        if adapter is not None:
-            engine = EngineState(
-                "undefined",
-                note=f"the engine serves adapter {adapter.name}, which differs from what was sent where named; the "
-                "next sync loads the whole adapter as a new version",
+        engine = staged
+        if adapter is not None and staged is not None:
+            engine = dataclasses.replace(
+                staged,
+                note=f"adapter {adapter.name}, loaded beside it, is dropped unpublished (it differs from what was "
+                "sent where named): requests still name the previous version; the next sync loads the whole "
+                "adapter again",
             )
         return agreed_error(error, failures, engine)
 

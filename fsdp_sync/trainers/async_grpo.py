@@ -7,7 +7,9 @@ The seam, and why it has two halves:
   on the wire all happen while the server keeps generating; the server is paused only while its weights are written
   (`ServerWriter(pause_for_write=True)`: staged rounds on the gloo transport). Only after a sync that succeeded (and
   was verified, with `SyncConfig(verify=True)`) does `model_version` move and the rollout worker hear of it, as in
-  TRL; a failed one raises `SyncError` on every rank with the server resumed and `model_version` where it was.
+  TRL: at the sync's commit point (`publisher`), with the server's version. A sync that failed before that point
+  raises `SyncError` on every rank with the server resumed and `model_version` where it was; one that failed after
+  it is raised as landed, with all three moved together.
 - A `WeightTransferProtocol` of this package is handed to the trainer (`weight_transfer=`): without one, TRL builds
   vLLM's NCCL client on rank 0 and opens its NCCL group at train begin (CUDA only, and a second transfer the server
   would hold), and probes the server for its adapter files path. Its `destroy` closes this package's transfer at
@@ -166,39 +168,48 @@ class AsyncGRPOSeam(TrainerSeam):
         version names the policy version the rollouts will carry (the trainer's next `model_version`)."""
         return WriterOptions(pause_for_write=True, version_label=lambda: f"v{trainer.model_version + 1}")
 
+    def publisher(self, trainer: Any) -> Callable[[int | None], None]:
+        """At the commit point of every sync (`fsdp_sync.sync.frame`), on every rank that learns it landed:
+        `trainer.model_version` moves, and the rollout worker hears of it (main process), so that the rollouts are
+        labelled with the version the server now serves. On the writing rank this runs right after the server's
+        version moved, before any other rank is asked; a rank that fails after it is told the sync landed."""
+
+        def publish(adapter_version: int | None) -> None:
+            version = trainer.model_version + 1
+            if adapter_version is not None and adapter_version != version:
+                # NOTE: the rollout worker names `<prefix>-v<model_version>`: the two must never part.
+                raise RuntimeError(
+                    f"adapter version {adapter_version} was published for policy version {version}: the rollout "
+                    "worker would ask for another adapter than the current one"
+                )
+            trainer.model_version = version
+            # NOTE: TRL builds its rollout worker on the main process only.
+            worker = getattr(trainer, "rollout_worker", None)
+            if worker is not None:
+                worker.update_model_version(version)
+
+        return publish
+
     def sync(
         self, trainer: Any, run: Callable[[], SyncReport | None], last_pause: Callable[[], tuple[float, float] | None]
     ) -> None:
         """One sync (what the trainer's `_sync_weight` does under the mixin); every rank calls it.
 
-        `run` publishes the server's weight version last, once every rank agreed (and verified); only after it
-        returned does `trainer.model_version` move (every rank) and the rollout worker hear of it (main process).
-        Logs TRL's `perf/weight_sync_s` (the whole sync, as TRL measures it) and `weight_sync/server_paused_s` (how
-        long the server's generation was paused: from the pause request to the resume answer) beside the sync's own
-        figures.
+        The versions move inside `run`, at its commit point (`publisher`); this logs TRL's `perf/weight_sync_s` (the
+        whole sync, as TRL measures it) and `weight_sync/server_paused_s` (how long the server's generation was
+        paused: from the pause request to the resume answer) beside the sync's own figures.
 
         Raises:
-            SyncError: on every rank when the sync failed on any (`model_version`, the rollout worker and the
-                server's weight version unchanged, the server resumed).
+            SyncError: on every rank when the sync failed on any: before its commit point with `model_version`,
+                the rollout worker and the server's weight version unchanged (the server resumed); after it
+                (`landed`) with all three moved together.
         """
         started = time.perf_counter()
         report = run()
         seconds = time.perf_counter() - started
-        from ..report import AdapterFigures
-
-        adapter = report.figure(AdapterFigures) if report is not None else None
-        if adapter is not None and adapter.adapter_id != trainer.model_version + 1:
-            adapter_id = adapter.adapter_id
-            # NOTE: the rollout worker names `<prefix>-v<model_version>`: the two must never part.
-            raise RuntimeError(
-                f"adapter version {adapter_id} was pushed for policy version {trainer.model_version + 1}: the rollout "
-                "worker would ask for another adapter than the current one"
-            )
-        trainer.model_version += 1
-        # NOTE: TRL builds its rollout worker on the main process only.
-        worker = getattr(trainer, "rollout_worker", None)
-        if worker is not None:
-            worker.update_model_version(trainer.model_version)
+        if report is None:  # the trainer's built-in sync ran (DeepSpeed ZeRO): no commit point of ours moved it
+            logger.warning("fsdp-vllm-sync: the trainer's built-in sync ran (DeepSpeed ZeRO)")
+            self.publisher(trainer)(None)
         metrics = {"perf/weight_sync_s": seconds}
         pause = last_pause()
         if pause is not None:
@@ -211,5 +222,3 @@ class AsyncGRPOSeam(TrainerSeam):
             seconds,
             f", generation paused {pause[0]:.3f} s" if pause is not None else "",
         )
-        if report is None:
-            logger.warning("fsdp-vllm-sync: the trainer's built-in sync ran (DeepSpeed ZeRO)")

@@ -51,6 +51,11 @@ class TrainerSeam:
         default (TRL's generate calls in this process) applies."""
         return False
 
+    def publisher(self, trainer: Any) -> Callable[[int | None], None] | None:
+        """What this trainer moves when a sync commits (`fsdp_sync.sync.contract.PublishHook`: told the adapter version
+        published, None for weights), run on every rank that learns it; None: nothing (the default)."""
+        return None
+
     def sync(
         self, trainer: Any, run: Callable[[], SyncReport | None], last_pause: Callable[[], tuple[float, float] | None]
     ) -> None:

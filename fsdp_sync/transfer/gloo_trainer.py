@@ -242,10 +242,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def send_adapter(self, tensors: Sequence[tuple[str, torch.Tensor]], adapter: dict[str, Any]) -> int:
         """One adapter update: announce the adapter's tensors (PEFT names) and its id, name and config, broadcast the
-        tensors; the server builds the adapter as it arrives (never staged). Returns the bytes broadcast."""
+        tensors; the server builds the adapter as it arrives (never staged as weights are) and keeps it beside the
+        versions it serves until `publish_adapter`. Returns the bytes broadcast."""
         meta = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors]
         self._round(_announce(meta, adapter=adapter), list(tensors), meta)
         return sum(nbytes(m.dtype, m.shape) for m in meta)
+
+    def publish_adapter(self, name: str, *, fresh: bool) -> None:
+        """The adapter version `name`, sent before, becomes one requests may name (every worker, and the API
+        server's list); a round without tensors. `fresh`: this trainer's first publish (the versions the server
+        served before are retired: their names may be this trainer's next ones, with other contents)."""
+        self._round(_announce([], publish=name, fresh=fresh), [], [])
 
     def _round(
         self,
@@ -264,7 +271,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         """
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized (trainer_init failed or was not called).")
-        staged = self.staged and update.adapter is None  # an adapter is built on arrival, never staged
+        # an adapter is built on arrival (never staged as weights are), and a publish carries no tensors
+        staged = self.staged and update.adapter is None and update.publish is None
         if staged:
             update.stage = STAGE_RECEIVE
         self.data_chunks = 0

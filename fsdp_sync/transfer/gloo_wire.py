@@ -126,13 +126,17 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     """One update: the tensors in stream order (vLLM dtype names: `"bfloat16"`, not `"torch.bfloat16"`); with
     `counts`, a sparse update: each tensor's number of changed elements, sent as patches; with `adapter`, a LoRA
     adapter (`{"id", "name", "config"}`: the tensors are its `lora_A`/`lora_B` in PEFT names), built in the worker's
-    LoRA manager instead of written into the model."""
+    LoRA manager instead of written into the model, and staged there; with `publish` (no tensors), the name of the
+    staged adapter version requests may name from now on (`compat.lora_patches`), `fresh` at a trainer's first
+    publish (the versions served before it are another trainer's, and are retired)."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     counts: list[int] | None = None
     adapter: dict[str, Any] | None = None
+    publish: str | None = None
+    fresh: bool = False
     # None: received and written now; "receive": received into host memory and kept (staged); "apply": write what was
     # staged (its names, dtypes and shapes are empty).
     stage: str | None = None

@@ -273,8 +273,8 @@ class _Staging:
 
 
 class _AdapterRound:
-    """An adapter update on the worker: received whole, then built into a LoRA adapter and kept by name for the next
-    request that asks for it (`compat.lora_patches`); the model's weights are never touched."""
+    """An adapter update on the worker: received whole, then built into a LoRA adapter and staged by name until the
+    trainer publishes it (`compat.lora_patches`); the model's weights are never touched."""
 
     def __init__(self, engine: GlooWeightTransferEngine) -> None:
         self.engine = engine
@@ -427,6 +427,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         info = self.parse_update_info(update_info)
         if info.adapter is not None:
             self._adapter.receive(info)
+            return
+        if info.publish is not None:
+            from fsdp_sync.compat.lora_patches import publish_adapter
+
+            publish_adapter(info.publish, fresh=info.fresh)
             return
         match info.stage:
             case None:

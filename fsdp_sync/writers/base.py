@@ -105,8 +105,9 @@ class VersionedWriter(Protocol):
         or the engine keeps no version (logged once)."""
         ...
 
-    def stamp(self, version: str) -> None:
-        """After a complete push: give the engine's weights `version`."""
+    def stamp(self, version: str) -> str | None:
+        """After a complete push: give the engine's weights `version`; returns the version as stamped (a writer may
+        add a label; None: the engine keeps none). Raises only when the engine does not hold it afterwards."""
         ...
 
 
@@ -139,16 +140,27 @@ class AdapterWriter(Protocol):
         ...
 
     def load_adapter(self, adapter: Adapter) -> None:
-        """Build `adapter` in the engine from its tensors and make it the one generation asks for; the previous
-        version is unloaded."""
+        """Build `adapter` in the engine from its tensors, beside the version generation is served (staged): no
+        request names it yet, and the published version stays loaded."""
+        ...
+
+    def publish_adapter(self, adapter: Adapter) -> None:
+        """The commit point of an adapter sync: the staged `adapter` becomes the version requests name; the
+        previous one may then be unloaded (a server keeps its last K). Raises only when it did not happen (a
+        writer that cannot tell reads the outcome back)."""
+        ...
+
+    def abandon_adapter(self) -> None:
+        """After a failure before the commit: drop the staged version; the published one stays loaded and named
+        (restored where loading the staged one evicted it)."""
         ...
 
     def adapter_request(self) -> object | None:
-        """The `LoRARequest` of the adapter loaded last (None before the first)."""
+        """The `LoRARequest` (or, for a server, the name) of the adapter published last (None before the first)."""
         ...
 
     def adapter_digests(self) -> tuple[dict[str, dict[str, str]], EngineLoRA]:
-        """The adapter loaded last as the engine keeps it to serve, per worker (worker tag, `""` for an in-process
+        """The adapter staged last as the engine keeps it to serve, per worker (worker tag, `""` for an in-process
         engine -> `<module>.lora_a`/`.lora_b` ->
         sha256, `compat.lora_api.served_lora_tensors`), and how the engine builds an adapter (its LoRA dtype and
         names), for `SyncConfig(verify=True)`."""

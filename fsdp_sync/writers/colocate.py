@@ -37,7 +37,9 @@ from fsdp_sync.compat.lora_api import (
     adapter_request,
     engine_lora_limits,
     held_adapter,
+    holds_adapter,
     load_adapter,
+    remove_adapter,
     served_lora_tensors,
     worker_engine_lora,
 )
@@ -85,7 +87,11 @@ class ColocateWriter:
         self._checkpoint: EngineManifest | None = None
         self._landings: dict[str, Landing] | None = None
         self._versions = ColocateVersions(llm)
+        # The adapter version requests name (published), the one loaded beside it and not yet published (staged),
+        # and every name this writer loaded (a name loaded again first drops the prefix cache: see `load_adapter`).
         self._adapter: Adapter | None = None
+        self._staged: Adapter | None = None
+        self._loaded_names: set[str] = set()
 
     # --- AdapterWriter: the adapter sync's capability (`fsdp_sync.sync.adapter`) ---
 
@@ -99,17 +105,41 @@ class ColocateWriter:
         return self.checkpoint_dir
 
     def load_adapter(self, adapter: Adapter) -> None:
-        previous = self._adapter.adapter_id if self._adapter is not None else None
-        load_adapter(self.handle.worker, adapter, replace=previous if previous != adapter.adapter_id else None)
-        self._adapter = adapter
+        """Stage `adapter` beside the published version (the mixin's engine keeps two: `engine_with_lora`).
+
+        NOTE: vLLM keys its prefix cache by the adapter's name and path, not its id. A name this writer loaded
+        before (the retry of a version whose sync failed) first drops the cache, so that nothing computed with
+        the earlier contents is ever served under it."""
+        if adapter.name in self._loaded_names:
+            reset_prefix_cache(self.handle.llm)
+        self._loaded_names.add(adapter.name)
+        self._staged = adapter
+        load_adapter(self.handle.worker, adapter)
+
+    def publish_adapter(self, adapter: Adapter) -> None:
+        """Requests name `adapter` from now on; the previous version is unloaded."""
+        previous, self._adapter, self._staged = self._adapter, adapter, None
+        if previous is not None and previous.adapter_id != adapter.adapter_id:
+            remove_adapter(self.handle.worker, previous.adapter_id)
+
+    def abandon_adapter(self) -> None:
+        """Unload the staged version; the published one is loaded again where the staged one evicted it (an engine
+        keeping one adapter)."""
+        staged, self._staged = self._staged, None
+        published = self._adapter
+        if staged is not None and (published is None or staged.adapter_id != published.adapter_id):
+            remove_adapter(self.handle.worker, staged.adapter_id)
+        if published is not None and not holds_adapter(self.handle.worker, published.adapter_id):
+            load_adapter(self.handle.worker, published)
+            logger.info("weight sync: adapter %s loaded again (the failed sync's version evicted it)", published.name)
 
     def adapter_request(self) -> object | None:
         return adapter_request(self._adapter.adapter_id, self._adapter.name) if self._adapter is not None else None
 
     def adapter_digests(self) -> tuple[dict[str, dict[str, str]], EngineLoRA]:
-        """Read back from this process's LoRA manager: the adapter it registered last, as generation uses it."""
-        assert self._adapter is not None, "no adapter was loaded"
-        lora, packed = held_adapter(self.handle.worker, self._adapter.adapter_id)
+        """Read back from this process's LoRA manager: the staged adapter, as generation would use it."""
+        assert self._staged is not None, "no adapter was staged"
+        lora, packed = held_adapter(self.handle.worker, self._staged.adapter_id)
         digests = {key: tensor_digest(t) for key, t in served_lora_tensors(lora, packed).items()}
         return {"": digests}, worker_engine_lora(self.handle.worker)
 
@@ -232,8 +262,8 @@ class ColocateWriter:
     def replaced(self) -> str | None:
         return self._versions.replaced()
 
-    def stamp(self, version: str) -> None:
-        self._versions.stamp(version)
+    def stamp(self, version: str) -> str | None:
+        return self._versions.stamp(version)
 
     def engine_layout(self) -> EngineLayout:
         model = self.handle.model

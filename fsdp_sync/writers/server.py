@@ -328,8 +328,10 @@ class ServerWriter:
         self.last_pause: tuple[float, float] | None = None
         # A sync began since the last staged round was sent: what a failed sync left staged is dropped first.
         self._new_sync = True
-        # The name of the adapter the last adapter sync loaded (requests ask for it by that name).
+        # The name of the adapter version published last (requests ask for it by that name), and of the one sent
+        # and not yet published (staged on the workers; verify reads it).
         self._adapter_name: str | None = None
+        self._staged_name: str | None = None
 
     # --- AdapterWriter: adapter syncs (`fsdp_sync.sync.adapter`), over the transfer, into the server's LoRA manager ---
 
@@ -364,40 +366,71 @@ class ServerWriter:
         return self.checkpoint_dir
 
     def load_adapter(self, adapter: Adapter) -> None:
-        """Send the adapter's tensors over the transfer; the server builds it and serves it to the next request that
-        names it (`adapter.name`)."""
+        """Send the adapter's tensors over the transfer; every worker builds it and stages it beside the versions it
+        serves (a request naming it is answered 404 until `publish_adapter`)."""
         refusal = self.adapter_transport_refusal()
         if refusal is not None:
             raise ServerConfigError(refusal)
         self._source = self._source or plan_source(())
+        self._staged_name = adapter.name
+        self._adapter_round(lambda engine: engine.send_adapter(
+            list(adapter.tensors.items()),
+            {"id": adapter.adapter_id, "name": adapter.name, "config": dict(adapter.config)},
+        ))  # fmt: skip
+
+    def publish_adapter(self, adapter: Adapter) -> None:
+        """The commit point of an adapter sync: the staged version becomes servable on every worker and in the API
+        server's list (the oldest beyond the server's K retired). A publish whose answer was lost is read back from
+        the server's list (`/v1/models`): it raises only when the server does not serve the version. This writer's
+        first publish retires every version the server served before (another trainer's: a restarted job names its
+        versions from v1 again)."""
+        try:
+            fresh = self._adapter_name is None
+            self._adapter_round(lambda engine: engine.publish_adapter(adapter.name, fresh=fresh))
+        except Exception as e:
+            assert self.client is not None
+            try:
+                served = adapter.name in self.client.model_names()
+            except Exception as asked:  # noqa: BLE001 - the publish's own failure is the one raised
+                logger.warning("weight sync: the server's adapters after a failed publish: %s", asked)
+                raise e from None
+            if not served:
+                raise
+            logger.warning("weight sync: the publish's request failed (%s), but the server serves %s", e, adapter.name)
+        self._adapter_name, self._staged_name = adapter.name, None
+
+    def abandon_adapter(self) -> None:
+        """Nothing to send: a staged version is never served, and the next push replaces it on the workers."""
+        self._staged_name = None
+
+    def _adapter_round(self, send: Callable[[Any], Any]) -> None:
+        """One adapter round over the transfer (`send(engine)`); a failure drops the transfer (set up again at the
+        next sync)."""
         try:
             engine = self._begin_round()
             self._round_open = True
-            engine.send_adapter(
-                list(adapter.tensors.items()),
-                {"id": adapter.adapter_id, "name": adapter.name, "config": dict(adapter.config)},
-            )
+            send(engine)
             self._round_open = False
         except Exception:
-            self._drop_transfer()  # set up again at the next sync
+            self._drop_transfer()
             raise
-        self._adapter_name = adapter.name
 
     def adapter_request(self) -> object | None:
-        """The name requests ask for the adapter by (TRL's client sends it as `model`)."""
+        """The name requests ask for the adapter by (TRL's client sends it as `model`): the version published last."""
         return self._adapter_name
 
     def adapter_digests(self) -> tuple[dict[str, dict[str, str]], EngineLoRA]:
-        """Each worker's digests of the adapter it keeps under the last version's name, every worker of every
+        """Each worker's digests of the adapter it keeps under the staged version's name, every worker of every
         data-parallel replica (asked over the transfer group: `ask_workers`); a tensor-parallel worker keeps the
         whole adapter (vLLM slices it only when it activates it).
 
         Raises:
             VerifyError: a worker keeps no such version.
         """
-        assert self._engine is not None and self._adapter_name is not None, "no adapter was loaded"
+        name = self._staged_name
+        assert self._engine is not None and name is not None, "no adapter was staged"
         try:
-            asked = self._engine.ask_workers("adapter_digests", self._adapter_name)
+            asked = self._engine.ask_workers("adapter_digests", name)
         except Exception:
             # NOTE: a question not answered may leave the group mid-collective: set the transfer up again next sync.
             self._drop_transfer()
@@ -405,10 +438,10 @@ class ServerWriter:
         answers = {a["worker"] or str(i): a["answer"] for i, a in enumerate(asked)}
         missing = [f"worker {w} (it keeps {a.get('kept')})" for w, a in answers.items() if not a.get("held")]
         if missing or not answers:
-            raise VerifyError(f"the server keeps no adapter {self._adapter_name} on {', '.join(missing) or 'any worker'}")
+            raise VerifyError(f"the server keeps no adapter {name} on {', '.join(missing) or 'any worker'}")
         dtypes = sorted({d for a in answers.values() for d in a["dtypes"]})
         if len(dtypes) > 1:
-            raise VerifyError(f"the server's workers keep adapter {self._adapter_name} in several dtypes: {dtypes}")
+            raise VerifyError(f"the server's workers keep adapter {name} in several dtypes: {dtypes}")
         dtype = dtypes[0] if dtypes else str(self.info.dtype).removeprefix("torch.")
         model_class = engine_model_class(self._architectures())
         engine = engine_lora_of(model_class, getattr(torch, dtype), vocab_size=None, max_positions=None)
@@ -478,10 +511,12 @@ class ServerWriter:
             self._drop_transfer()
         return why
 
-    def stamp(self, version: str) -> None:
-        """Give the server's weights `version` (after a complete push; nothing where its vLLM keeps none)."""
+    def stamp(self, version: str) -> str | None:
+        """Give the server's weights `version` (after a complete push; nothing where its vLLM keeps none); returns
+        the version stamped, with its label. A request that failed is read back (`ServerVersions`): it raises only
+        when the server does not hold the version."""
         assert self._versions is not None
-        self._versions.stamp(f"{version}:{self.version_label()}" if self.version_label is not None else version)
+        return self._versions.stamp(f"{version}:{self.version_label()}" if self.version_label is not None else version)
 
     def close(self) -> None:
         """Close the transfer to the server (end of training); a later push sets it up again."""

@@ -25,7 +25,10 @@ class RecordingAdapterWriter:
 
     def __init__(self, checkpoint: str) -> None:
         self.checkpoint = checkpoint
+        # every adapter loaded (staged), every name published (what requests name), every staged one dropped
         self.adapters: list[Adapter] = []
+        self.published: list[str] = []
+        self.abandoned: list[str] = []
 
     def lora_limits(self) -> LoRALimits:
         return LIMITS
@@ -39,11 +42,19 @@ class RecordingAdapterWriter:
     def load_adapter(self, adapter: Adapter) -> None:
         self.adapters.append(Adapter(adapter.adapter_id, adapter.name, {k: v.clone() for k, v in adapter.tensors.items()}, adapter.config))
 
+    def publish_adapter(self, adapter: Adapter) -> None:
+        assert self.adapters and self.adapters[-1].name == adapter.name, "published what was not staged last"
+        self.published.append(adapter.name)
+
+    def abandon_adapter(self) -> None:
+        if self.adapters:
+            self.abandoned.append(self.adapters[-1].name)
+
     def adapter_request(self) -> object | None:
-        return self.adapters[-1].name if self.adapters else None
+        return self.published[-1] if self.published else None
 
     def adapter_digests(self) -> tuple[dict[str, dict[str, str]], EngineLoRA]:
-        """The last adapter as an engine would serve it (vLLM's own `LoRAModel`, float32, no name mapping), built
+        """The adapter staged last as an engine would serve it (vLLM's own `LoRAModel`, float32, no name mapping), built
         from the copy this writer kept: what a test changes in `adapters` shows here."""
         engine = EngineLoRA(torch.float32)
         served = served_lora_tensors(lora_model(self.adapters[-1], engine), {})

@@ -149,12 +149,18 @@ def verify_scenario(rank: int, world_size: int, backend: str, directory: str) ->
         try:
             sync.sync()
         except SyncError as e:
-            error = {"type": type(e).__name__, "message": str(e), "failures": [[f.rank, f.stage] for f in e.failures]}
+            error = {"type": type(e).__name__, "message": str(e), "failures": [[f.rank, f.stage] for f in e.failures],
+                     "landed": e.landed, "version": e.engine.version if e.engine is not None else None}  # fmt: skip
+    after_failure = sync.adapter_request()
     reports.append(sync.sync())
     return {
+        "rank": rank,
         "error": error,
         "verified": [r.verified for r in reports],
         "ids": [a.adapter_id for a in writer.adapters],
+        "request_after_failure": after_failure,
+        "published": writer.published,
+        "abandoned": writer.abandoned,
         "last_equal": all(torch.equal(writer.adapters[-1].tensors[k], v) for k, v in full_adapter(wrapped).items()),
     }
 
@@ -171,3 +177,10 @@ def test_adapter_verify_compares_the_engines_adapter_with_what_was_sent(backend:
         assert "model.layers.1.self_attn.v_proj.lora_a" in error["message"], error["message"]
         assert r["ids"] == [1, 2, 2], "a version moves only after a sync that succeeded"
         assert r["last_equal"]
+        # published last (issue 47): the failed version was staged, dropped, never named by a request
+        assert not error["landed"]
+        if r["rank"] == 0:
+            assert r["request_after_failure"] == "fsdp-vllm-sync-v1", r
+            assert r["published"] == ["fsdp-vllm-sync-v1", "fsdp-vllm-sync-v2"], r["published"]
+            assert r["abandoned"] == ["fsdp-vllm-sync-v2"], r["abandoned"]
+            assert error["version"] == "fsdp-vllm-sync-v1" and "served version fsdp-vllm-sync-v1" in error["message"]

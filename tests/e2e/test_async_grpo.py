@@ -111,33 +111,57 @@ def _assert_paused_only_for_the_write(watched: list[dict], syncs: int) -> None:
 
 def test_async_grpo_fsdp2_with_a_failed_sync(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:
     """FSDP2, 2 ranks, verify on; the third sync fails on rank 1 (its gather raises): both ranks raise a SyncError at
-    once, `model_version` stays, the server is not left paused, and the retry is complete and exact. The fourth fails
-    late, on rank 1 inside the push's outcome agreement, after rank 0 wrote the server's weights: no version moves
-    (the server's `/weight_info`, `model_version`, the rollout worker's, all read from outside the library)."""
+    once, `model_version` stays, the server is not left paused, and the retry is complete and exact.
+
+    The fourth and fifth fail in their last collectives, injected from outside the library (rank 1's
+    `torch.distributed.monitored_barrier`, `fsdp_sync._demo.outside_faults`; issue 47). The fourth, in the push's
+    agreement (two before the last), after rank 0 wrote the server's weights but before the commit point: no version
+    moves (the server's `/weight_info`, `model_version`, the rollout worker's, all read from outside the library),
+    and rank 0's error says the weights are in under the version the server still serves. The fifth, in the last
+    agreement, after rank 0 stamped the server: every rank raises the sync as landed, and once the error is raised
+    the server's version, every rank's `model_version` and the rollout worker's all name v5; the error names the
+    version; the landed weights are exact (the check after it), and nothing is retried."""
     result = _run(checkpoints("qwen2"), tmp_path, server, "fsdp2", "--steps", "4", "--check", "--verify",
-                  "--fault-at", "3", "--late-fault-at", "4")  # fmt: skip
+                  "--fault-at", "3", "--barrier-fault", "4:2", "--barrier-fault", "5:0")  # fmt: skip
     ranks = _assert_exact_every_sync(result, "fsdp2", syncs=5)
     for r in ranks:
-        error, late = r["errors"]
+        error, late, landed = r["errors"]
         assert late["sync"] == 4 and late["is_sync_error"] and "failed on rank 1 (agree)" in late["message"], late
-        assert late["model_version"] == 3 and not late["engine_is_current"], late
+        assert not late["landed"] and late["model_version"] == 3 and not late["engine_is_current"], late
         assert late["server_weight_version_after"] == late["server_weight_version_before"], late
         assert late["server_weight_version_before"].endswith(":v3"), late
         assert late["rollout_worker_version_after"] == late["rollout_worker_version_before"], late
         assert late["server_paused_after"] is False, late
         if r["rank"] == 0:  # the server's weights were written before rank 1 failed, and the error says so
-            assert late["message"].endswith("This rank's engine holds every weight of this sync."), late["message"]
+            served = late["server_weight_version_before"]
+            assert late["version"] == served, late
+            said = f"This rank's engine holds every weight of this sync; generation is served version {served}"
+            assert said in late["message"], late["message"]
             assert late["rollout_worker_version_before"] == 3, late
+        assert landed["sync"] == 5 and landed["is_sync_error"] and landed["landed"], landed
+        assert "failed on rank 1 (agree)" in landed["message"], landed
+        assert "had committed before the failure" in landed["message"], landed["message"]
+        assert landed["model_version"] == 5, landed
+        assert landed["server_weight_version_before"].endswith(":v4"), landed
+        assert landed["server_weight_version_after"].endswith(":v5"), landed
+        assert landed["server_paused_after"] is False, landed
+        if r["rank"] == 0:
+            assert landed["rollout_worker_version_after"] == 5, landed
+            assert landed["version"] == landed["server_weight_version_after"], landed
+            assert f"served version {landed['version']}" in landed["message"], landed["message"]
         assert error["sync"] == 3 and error["is_sync_error"], error
         assert "failed on rank 1" in error["message"] and "gather" in error["message"], error
         assert error["seconds"] < 10, error
         assert error["model_version"] == 2 and not error["engine_is_current"], error
         assert error["server_paused_after"] is False, error
         failed = [s for s in r["syncs"] if not s["ok"]]
-        assert len(failed) == 2
-        for f in failed:
+        assert len(failed) == 3
+        for f in failed[:2]:  # tried again, complete; the landed one is not
             retry = r["syncs"][r["syncs"].index(f) + 1]
             assert retry["ok"] and retry["complete"], retry
+        assert r["syncs"][-1] is failed[2], "a sync that landed is not tried again"
+        if r["rank"] == 1:
+            assert len(r["barrier_faults"]) == 2, r["barrier_faults"]
     # The sender compared the server's own digests with what it sent, after every sync (16 engine weights).
     assert all(s["verified"] == 16 for s in ranks[0]["syncs"] if s["ok"]), ranks[0]["syncs"]
 

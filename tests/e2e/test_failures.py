@@ -244,3 +244,46 @@ def test_verify_catches_a_weight_changed_behind_the_sync_and_names_what_it_canno
               f"{ok[0]['verify_seconds'] * 1000:.1f} ms")  # fmt: skip
     assert "the engine hides it (repacked to size 0" in result.log
     assert "qkv_proj.weight" in result.log
+
+
+def test_a_rank_failing_in_the_last_collectives_of_a_server_sync(
+    checkpoints, server: VLLMServerProcess, tmp_path: Path
+) -> None:
+    """The commit point (issue 47), GRPOTrainer in server mode, FSDP1, 2 ranks: rank 1's
+    `torch.distributed.monitored_barrier` raises (injected from outside the library, `fsdp_sync._demo.outside_faults`)
+    in the agreement before the last of sync 2 (the push's: rank 0 has written the server's weights, not stamped
+    them) and in the last agreement of sync 4 (after rank 0 stamped the server). Sync 2: nothing moves, every rank's
+    error is not landed, rank 0's names the version the server still serves. Sync 4: every rank raises it as landed;
+    the server's version moved, and rank 0's error names exactly the version the server then says it holds. Every
+    sync that succeeded (the retries included) is bit-exact and moves the server's version."""
+    result = run_grpo(
+        checkpoints("qwen2"), tmp_path / "job", "fsdp1", "--steps", "4", "--barrier-fault", "2:1",
+        "--barrier-fault", "4:0", "--vllm-mode", "server", "--server-url", server.base_url,
+        "--group-port", str(free_port()),
+    )  # fmt: skip
+    assert result.returncode == 0, result.log[-6000:]
+    for r in result.ranks:
+        assert r["error"] is None and r["wrapper"][WRAPPER_FLAG["fsdp1"]], r["error"]
+        before, after = r["failed_syncs"]
+        assert before["sync"] == 2 and not before["landed"], before
+        assert after["sync"] == 4 and after["landed"], after
+        for failed in (before, after):
+            assert failed["failures"] == [[1, "agree"]] and "injected" in failed["message"], failed
+        assert "had committed before the failure" in after["message"] and "committed" not in before["message"]
+        assert r["checks"] and all(
+            c["direct_problems"] == [] and c["reference_problems"] == [] and c["logits_problems"] == []
+            for c in r["checks"]
+        ), r["checks"]
+        if r["rank"] == 1:
+            assert len(r["barrier_faults"]) == 2, r["barrier_faults"]
+    main = next(r for r in result.ranks if r["rank"] == 0)
+    versions = {v["sync"]: v for v in main["server_versions"]}
+    assert versions[2]["after"] == versions[2]["before"], versions[2]
+    assert main["failed_syncs"][0]["version"] == versions[2]["before"], main["failed_syncs"][0]
+    assert versions[4]["after"] != versions[4]["before"] and versions[4]["after"].startswith("fsdp-vllm-sync:")
+    assert main["failed_syncs"][1]["version"] == versions[4]["after"], (main["failed_syncs"][1], versions[4])
+    assert main["failed_syncs"][1]["engine"]["status"] == "current", main["failed_syncs"][1]
+    for v in main["server_versions"]:
+        if v["ok"]:
+            assert v["after"] != v["before"] and v["after"].startswith("fsdp-vllm-sync:"), v
+    assert len(main["checks"]) == sum(v["ok"] for v in main["server_versions"]) >= 4, main["checks"]

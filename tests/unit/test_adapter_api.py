@@ -111,11 +111,12 @@ def test_a_server_reports_its_lora_rank() -> None:
     assert parse_server_info(answer).max_lora_rank is None
 
 
-def test_the_api_server_serves_exactly_the_last_k_pushed_versions(monkeypatch: pytest.MonkeyPatch) -> None:
-    """After each adapter push the API server's names (`lora_requests`, what `/v1/models` lists and what a request
-    may name) are the last K pushed: older in-memory versions are dropped, a path-loaded adapter is kept, a re-pushed
-    name gets a fresh id. Regression (issue 40): every name ever resolved stayed, and naming an unloaded one killed
-    the engine."""
+def test_the_api_server_serves_exactly_the_last_k_published_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each adapter publish the API server's names (`lora_requests`, what `/v1/models` lists and what a request
+    may name) are the last K published: older in-memory versions are dropped, a path-loaded adapter is kept, a
+    re-published name gets a fresh id; a push of an adapter's tensors (staged) serves nothing. Regression (issue 40):
+    every name ever resolved stayed, and naming an unloaded one killed the engine; (issue 47): a pushed version was
+    served before its sync was verified."""
     from vllm.lora.request import LoRARequest
     from vllm.utils.counter import AtomicCounter
 
@@ -123,25 +124,32 @@ def test_the_api_server_serves_exactly_the_last_k_pushed_versions(monkeypatch: p
     from fsdp_sync.compat.lora_api import IN_MEMORY_PATH
 
     monkeypatch.setattr(lora_patches, "_API_SERVED", [])
+    monkeypatch.setattr(lora_patches, "_API_EVER", set())
     monkeypatch.setattr(lora_patches, "_SERVING_MODELS", lora_patches.weakref.WeakSet())
     on_disk = LoRARequest(lora_name="mine", lora_int_id=1, lora_path="/adapters/mine")
     models = _ServingModels({"mine": on_disk}, AtomicCounter(1))
     lora_patches._SERVING_MODELS.add(models)
     for version in (1, 2, 3):
-        info = {"names": ["x"], "adapter": {"id": version, "name": f"fvs-v{version}", "config": {}}}
-        (name,) = lora_patches._pushed_adapter_names([info] if version == 2 else info)
-        lora_patches._serve_pushed(name, keep=2)
+        pushed = {"names": ["x"], "adapter": {"id": version, "name": f"fvs-v{version}", "config": {}}}
+        assert lora_patches._published_adapter_names(pushed) == []
+        info = {"names": [], "publish": f"fvs-v{version}", "fresh": version == 1}
+        ((name, fresh),) = lora_patches._published_adapter_names([info] if version == 2 else info)
+        assert fresh == (version == 1)
+        lora_patches._serve_published(name, keep=2, fresh=fresh)
     assert list(models.lora_requests) == ["mine", "fvs-v2", "fvs-v3"]
     assert models.lora_requests["fvs-v3"].lora_path == f"{IN_MEMORY_PATH}/fvs-v3"
     old_id = models.lora_requests["fvs-v3"].lora_int_id
-    lora_patches._serve_pushed("fvs-v3", keep=2)
+    lora_patches._serve_published("fvs-v3", keep=2)
     assert models.lora_requests["fvs-v3"].lora_int_id != old_id
     assert lora_patches._API_SERVED == ["fvs-v2", "fvs-v3"]
-    assert lora_patches._pushed_adapter_names({"names": ["x"]}) == []
+    assert lora_patches._published_adapter_names({"names": ["x"]}) == []
+    # another trainer's first publish: the versions served before are retired, a path-loaded adapter is kept
+    lora_patches._serve_published("fvs-v1", keep=2, fresh=True)
+    assert list(models.lora_requests) == ["mine", "fvs-v1"] and lora_patches._API_SERVED == ["fvs-v1"]
 
 
 class _ServingModels:
-    """What `_serve_pushed` uses of vLLM's `OpenAIServingModels`."""
+    """What `_serve_published` uses of vLLM's `OpenAIServingModels`."""
 
     def __init__(self, lora_requests: dict, lora_id_counter: object) -> None:
         self.lora_requests = lora_requests
@@ -189,6 +197,12 @@ class _AdapterEngine:
 
     def load_adapter(self, adapter: object) -> None:
         raise AssertionError("nothing is loaded at build time")
+
+    def publish_adapter(self, adapter: object) -> None:
+        raise AssertionError("nothing is published at build time")
+
+    def abandon_adapter(self) -> None:
+        raise AssertionError("nothing is dropped at build time")
 
     def adapter_request(self) -> object | None:
         return None
