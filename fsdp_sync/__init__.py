@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "ServerNoAnswerError": "server_client",
     "ServerPushError": "writers.server",
     "ServerResumeError": "writers.server",
+    "ServerRouteMissing": "server_client",
     "ServerTransportError": "writers.server",
     "ServerUnavailableError": "server_client",
     "ServerWriter": "writers",
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
     from .sync.pipeline import WeightSync
     from .sync.stream import IncompleteSyncError, SyncPlan
     from .report import SyncReport
-    from .server_client import ServerConfigError, ServerNoAnswerError, ServerUnavailableError
+    from .server_client import ServerConfigError, ServerNoAnswerError, ServerRouteMissing, ServerUnavailableError
     from .writers import ColocateWriter, EnginePushError, EngineWriter, ServerWriter
     from .writers.server import ServerPushError, ServerResumeError, ServerTransportError
 

@@ -295,10 +295,50 @@ def _check(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
+# Options one mode reads and the other ignores: given to the other mode, each is refused rather than ignored.
+_CHECK_ONLY = ("backend", "lora", "lora_r")
+_COMPARE_ONLY = ("accelerate_config", "engine_dtype")
+
+
+def _given(argv: list[str] | None, args: argparse.Namespace) -> set[str]:
+    """The destinations of the options the command line gives (an option left at its default is not given)."""
+    # NOTE: argparse fills in a default only where the namespace it parses into has no such attribute yet.
+    unset = object()
+    parsed = build_parser().parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
+    return {dest for dest, value in vars(parsed).items() if value is not unset}
+
+
+def _refuse_ignored(args: argparse.Namespace, given: set[str]) -> None:
+    """Refuse an option the chosen mode would ignore without a word.
+
+    Raises:
+        UsageError: naming the option and the option it needs (or the mode that does not read it).
+    """
+    option = {dest: "--" + dest.replace("_", "-") for dest in (*_CHECK_ONLY, *_COMPARE_ONLY)}
+    if args.compare_fsdp2:
+        for dest in _CHECK_ONLY:
+            if dest in given:
+                raise UsageError(
+                    f"{option[dest]} is not read with --compare-fsdp2 (it compares the --accelerate-config's FSDP1 "
+                    f"wrapping with its FSDP2 conversion, without LoRA): drop {option[dest]}, or --compare-fsdp2"
+                )
+        return
+    for dest in _COMPARE_ONLY:
+        if dest in given:
+            raise UsageError(f"{option[dest]} is read with --compare-fsdp2 only: add --compare-fsdp2")
+    if "lora_r" in given and args.lora is None:
+        raise UsageError("--lora-r is read with --lora only: add --lora NAMES (e.g. --lora q_proj,v_proj)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the check; returns the exit code (argparse itself exits with 2 on a malformed command line)."""
     args = build_parser().parse_args(argv)
-    return run(COMMAND, lambda: _check(args))
+
+    def body() -> int:
+        _refuse_ignored(args, _given(argv, args))
+        return _check(args)
+
+    return run(COMMAND, body)
 
 
 if __name__ == "__main__":

@@ -127,3 +127,49 @@ def test_help_lists_choices_defaults_and_exit_codes(command, expected: list[str]
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
     assert [e for e in expected if e not in out] == []
     assert "(default: None)" not in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--lora-r", "4"], "--lora-r is read with --lora only: add --lora NAMES (e.g. --lora q_proj,v_proj)"),
+        (["--engine-dtype", "float32"], "--engine-dtype is read with --compare-fsdp2 only: add --compare-fsdp2"),
+        (["--accelerate-config", "fsdp1.yaml"], "--accelerate-config is read with --compare-fsdp2 only: add "
+                                                "--compare-fsdp2"),
+        (["--engine-dtype", "bfloat16"], "--engine-dtype is read with --compare-fsdp2 only"),  # its default, given
+        (["--compare-fsdp2", "--accelerate-config", "a.yaml", "--backend", "fsdp1"],
+         "--backend is not read with --compare-fsdp2 (it compares the --accelerate-config's FSDP1 wrapping with its "
+         "FSDP2 conversion, without LoRA): drop --backend, or --compare-fsdp2"),
+        (["--compare-fsdp2", "--accelerate-config", "a.yaml", "--lora", "q_proj"], "--lora is not read with "
+                                                                                     "--compare-fsdp2"),
+        (["--compare-fsdp2", "--accelerate-config", "a.yaml", "--lora-r", "4"], "--lora-r is not read with "
+                                                                                 "--compare-fsdp2"),
+    ],
+    ids=["lora-r", "engine-dtype", "accelerate-config", "engine-dtype-default", "compare-backend", "compare-lora",
+         "compare-lora-r"],
+)  # fmt: skip
+def test_check_refuses_an_option_it_would_ignore(argv: list[str], says: str, capsys) -> None:
+    """Nothing is read or wrapped: the refusal comes first, one line, exit 2, naming the option that is missing (or
+    the mode that does not read it)."""
+    assert check_main(["/nonexistent/model", *argv]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("fsdp-vllm-sync-check: error: ") and says in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--lora", "q_proj", "--lora-r", "4", "--backend", "fsdp1", "--dtype", "float32"],
+        ["--compare-fsdp2", "--accelerate-config", "a.yaml", "--engine-dtype", "float32", "--dtype", "float32"],
+    ],
+    ids=["check", "compare-fsdp2"],
+)
+def test_check_takes_the_options_each_mode_reads(argv: list[str]) -> None:
+    from fsdp_sync.dry_run import _given, _refuse_ignored, build_parser
+
+    args = build_parser().parse_args(["M", *argv])
+    given = _given(["M", *argv], args)
+    assert given >= {"dtype", "model_dir"}
+    _refuse_ignored(args, given)  # no UsageError

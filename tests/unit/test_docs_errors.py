@@ -1,9 +1,13 @@
 """Every error class README.md and docs/ name is importable from `fsdp_sync`, is a `SyncError` (docs/failures.md:
 "every error a sync raises is one"), and is what the user catches: raised inside a sync, the failing rank gets the
-class itself (its own error chained as `__cause__`), not a wrapper that an `except` of the documented class misses."""
+class itself (its own error chained as `__cause__`), not a wrapper that an `except` of the documented class misses.
+
+An error class is any name ending in `Error` or `Exception`, and any exception class this package defines, whatever
+its name ends in (`ServerRouteMissing`), read from the source."""
 
 from __future__ import annotations
 
+import ast
 import builtins
 import re
 from collections.abc import Iterator
@@ -27,6 +31,31 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _NAME = re.compile(r"\b([A-Z][A-Za-z0-9]*(?:Error|Exception))\b")
+
+
+def _package_exceptions() -> set[str]:
+    """The names of the exception classes `fsdp_sync/` and `compat/` define: classes whose bases are, transitively,
+    Python's exceptions or such classes (read from the source, every module: nothing is imported)."""
+    bases: dict[str, set[str]] = {}
+    for folder in (ROOT / "fsdp_sync", ROOT / "compat"):
+        for path in folder.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    named = {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                             if isinstance(b, (ast.Name, ast.Attribute))}  # fmt: skip
+                    bases.setdefault(node.name, set()).update(named)
+    found = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    ours: set[str] = set()
+    while True:
+        more = {name for name, of in bases.items() if name not in ours and of & (found | ours)}
+        if not more:
+            return ours
+        ours |= more
+
+
+PACKAGE_EXCEPTIONS = _package_exceptions()
+# Those whose names the pattern above misses, as words of the pages.
+_CLASS = re.compile(r"\b(" + "|".join(sorted(n for n in PACKAGE_EXCEPTIONS if not _NAME.fullmatch(n))) + r")\b")
 # The two a rank raises for a failure that is not its own class: another rank's, or a stage's plain exception.
 _WRAPPERS = {"RemoteSyncError", "SyncStageError"}
 
@@ -35,7 +64,7 @@ def _documented() -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for page in PAGES:
         for n, line in enumerate(page.read_text().splitlines(), 1):
-            for name in _NAME.findall(line):
+            for name in [*_NAME.findall(line), *_CLASS.findall(line)]:
                 found.setdefault(name, []).append(f"{page.relative_to(ROOT)}:{n}")
     return found
 
@@ -46,8 +75,17 @@ OURS = sorted(name for name in DOCUMENTED if not hasattr(builtins, name))
 
 
 def test_the_docs_name_errors() -> None:
-    """The checks below have something to check."""
+    """The checks below have something to check, also a class whose name does not end in Error."""
     assert {"SyncError", "UnsupportedBackendError", "ManifestError", "ServerTransportError"} <= set(OURS), OURS
+    assert "ServerRouteMissing" in OURS, OURS
+
+
+def test_the_package_exceptions_are_read_from_the_source() -> None:
+    """The reader finds exception classes by their bases, through the package's own classes."""
+    assert {"SyncError", "ServerConfigError", "ServerRouteMissing", "ServerNoAnswerError", "UsageError"} <= (
+        PACKAGE_EXCEPTIONS
+    )
+    assert "SyncConfig" not in PACKAGE_EXCEPTIONS and "ServerWriter" not in PACKAGE_EXCEPTIONS
 
 
 @pytest.mark.parametrize("name", OURS)
