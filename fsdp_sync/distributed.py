@@ -413,8 +413,10 @@ class Coordinator:
         """Rank 0's `item`, on every rank (bounded like `agree`)."""
         return self.exchange(item)[0]
 
-    def _outcome_key(self, who: int) -> str:
-        return f"{_STORE_PREFIX}/{self.timeout_s:g}/outcome/{self._index}/{self._opened}/{who}"
+    def _outcome_key(self, who: int, opened: int | None = None) -> str:
+        """The store key of rank `who`'s outcome record of the sync `opened` (default: the current one)."""
+        sync = self._opened if opened is None else opened
+        return f"{_STORE_PREFIX}/{self.timeout_s:g}/outcome/{self._index}/{sync}/{who}"
 
     def record_outcome(self, outcome: str) -> None:
         """Leave this rank's outcome of the current sync's commit (`fsdp_sync.sync.frame`) in the training world's
@@ -427,6 +429,10 @@ class Coordinator:
             if store is None:
                 raise RuntimeError("this training world has no store the ranks share")
             store.set(self._outcome_key(rank()), outcome)
+            # NOTE: one key per sync would grow the store for as long as training runs; the one of two syncs ago is
+            # read by no rank any more (every rank left that sync before this one's push agreement).
+            if self._opened > 2:
+                store.delete_key(self._outcome_key(rank(), self._opened - 2))
         except Exception as e:  # noqa: BLE001 - the agreement that follows tells the outcome in the usual case
             logger.warning("weight sync: could not record this rank's commit outcome in the store: %s", e)
 

@@ -300,18 +300,29 @@ def _cpu_loras_for(kept_versions: int) -> int:
     return slots
 
 
+# What each backend carries, as the server writer's transports declare it (`fsdp_sync.writers.server_transports`:
+# `requires_cuda`, `carries_adapters`, `carries_patches`). NOTE: written out here so that this module imports no
+# torch; `tests/unit/test_server_command.py` checks it against the transports' own declarations.
+_SERVES: dict[str, frozenset[str]] = {
+    "gloo": frozenset({"a CPU server", "adapter syncs", "sparse syncs"}),
+    "nccl": frozenset(),
+}
+
+
 def _backend(backend: str | None, *, cpu: bool, adapter: bool, sparse: bool) -> str:
-    """The weight-transfer backend: adapter and sparse syncs travel over this package's gloo backend only (the
-    server writer's `adapter_transport_refusal` and `sparse_refusal`); vLLM's NCCL engine needs CUDA."""
+    """The weight-transfer backend: the first of `BACKENDS` (nccl on GPUs, as TRL's server) that serves everything
+    asked (adapter and sparse syncs travel over this package's gloo backend only; vLLM's NCCL engine needs CUDA), or
+    the one given, refused where it cannot serve what is asked."""
+    asked = (("a CPU server", cpu), ("adapter syncs", adapter), ("sparse syncs", sparse))
+    wants = frozenset(what for what, on in asked if on)
     if backend is None:
-        return "gloo" if cpu or adapter or sparse else "nccl"
+        return next(b for b in ("nccl", "gloo") if wants <= _SERVES[b])
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; fsdp-vllm-sync drives {list(BACKENDS)}")
-    if backend == "nccl":
-        asked = (("a CPU server", cpu), ("adapter syncs", adapter), ("sparse syncs", sparse))
-        wants = [what for what, on in asked if on]
-        if wants:
-            raise ValueError(f"backend='nccl' cannot serve {' and '.join(wants)}: use backend='gloo'")
+    missing = sorted(wants - _SERVES[backend])
+    if missing:
+        others = [b for b in BACKENDS if wants <= _SERVES[b]]
+        raise ValueError(f"backend={backend!r} cannot serve {' and '.join(missing)}: use backend={others[0]!r}")
     return backend
 
 

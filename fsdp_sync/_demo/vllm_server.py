@@ -250,14 +250,26 @@ class VLLMServerProcess:
         self._paused = False
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-        cmd += [
-            "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
-            "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "16", "--seed", "0",
-        ]  # fmt: skip
-        if self.weight_transfer_backend is not None:
-            cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer_backend})]
-        return cmd + self.extra_args
+        """The server a user gets from `python -m fsdp_sync.server_command` for this model on CPU (the generator's
+        output, so the servers the tests share are the ones the docs print), plus what the tests fix: a small batch
+        and a seed; without a weight-transfer backend where asked (a server this package refuses)."""
+        from fsdp_sync.server_command import server_command
+
+        generated = server_command(
+            self.model_dir, device="cpu", dtype=self.dtype, backend=self.weight_transfer_backend or "gloo",
+            host="127.0.0.1", port=self.port, max_model_len=128, python=sys.executable,
+        )  # fmt: skip
+        cmd = list(generated.argv)
+        if self.weight_transfer_backend is None:
+            at = cmd.index("--weight-transfer-config")
+            del cmd[at : at + 2]
+        return cmd + ["--max-num-seqs", "16", "--seed", "0"] + self.extra_args
+
+    def generated_env(self) -> dict[str, str]:
+        """The environment `python -m fsdp_sync.server_command` gives this server."""
+        from fsdp_sync.server_command import server_command
+
+        return dict(server_command(self.model_dir, device="cpu", dtype=self.dtype, port=self.port).env)
 
     def start(self) -> VLLMServerProcess:
         """Start the server (again, after `kill`: on the same port, from the same checkpoint) and wait for it."""
@@ -265,8 +277,7 @@ class VLLMServerProcess:
             raise RuntimeError(f"the vLLM server at {self.base_url} is already running")
         env = {
             **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
+            **self.generated_env(),
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
             **self.env,

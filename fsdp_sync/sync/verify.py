@@ -253,7 +253,7 @@ class EngineDigests:
         started = time.perf_counter()
         if name in self._tracked:
             # Compared through the parameters it lands in (`_moved`), never byte for byte.
-            self._sent[name] = hashlib.sha256(tensor_bytes(tensor)).hexdigest()
+            self._sent[name] = tensor_digest(tensor)
         else:
             engine_name, index, parts = self._naming.parameter(name)
             for cut, rule in self._cuts_of(engine_name).items():

@@ -10,7 +10,6 @@ call per tensor was measured 14.7x slower than one call for all (146 tensors, vL
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -51,7 +50,7 @@ from fsdp_sync.compat.reload_api import eager_reload_tensors, finalize_failed_re
 from fsdp_sync.compat.vllm_patches import quiet_partial_reload, refresh_tied_cpu_gemms
 
 from ..errors import EngineState, StreamInterrupted, SyncError
-from ..digest import tensor_bytes, tensor_digest
+from ..digest import tensor_digest
 from ..versions import ColocateVersions
 
 __all__ = ["ColocateWriter", "EnginePushError"]
@@ -293,5 +292,5 @@ class ColocateWriter:
         compute = getattr(self.handle.worker, "compute_weight_checksums", None)
         if compute is not None:  # vLLM's own (the `/weight_checker` route's source; vLLM 0.32)
             return worker_digests(compute())
-        digests = {name: hashlib.sha256(tensor_bytes(p)).hexdigest() for name, p in self.handle.model.named_parameters()}
+        digests = {name: tensor_digest(p) for name, p in self.handle.model.named_parameters()}
         return {"": digests}, self.handle.tensor_parallel

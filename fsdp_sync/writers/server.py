@@ -1,5 +1,9 @@
 """Server writer: weights go to a separate vLLM server through vLLM's weight-transfer API.
 
+Split by concern: the backends and what each can carry (`server_transports.py`), what the server says of its weights
+(`server_layout.py`: digests, cuts, patchable weights), adapter syncs (`server_adapters.py`); this module holds the
+session with the server, the push, its pause and staging, and the weight versions.
+
 The transport is the one the server was started with (`--weight-transfer-config '{"backend": ...}'`), chosen once:
 `nccl` (vLLM's own NCCL trainer engine, what TRL uses; CUDA trainers) or `gloo` (this package's CPU backend,
 `fsdp_sync.transfer.gloo`). Both are reached through vLLM's registry of trainer engines and driven through the same
@@ -19,40 +23,33 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
-from urllib.parse import urlparse
 
 import torch
 
 from fsdp_sync.compat.checkpoint import read_checkpoint_manifest
-from fsdp_sync.compat.engine_api import (
-    EngineLayout,
-    engine_model_class,
-    engine_naming_for_architectures,
-    worker_digests,
-)
-from fsdp_sync.compat.lora_api import Adapter, EngineLoRA, LoRALimits, engine_lora_of
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
 from fsdp_sync.compat.server_api import ServerInfo
-from fsdp_sync.compat.trl_api import ServerAddress
 from fsdp_sync.compat.vllm_patches import unfixed_reload_gaps
 from fsdp_sync.compat.weight_transfer import PlanSource, plan_source, source_metadata, trainer_transfer_engine
-from ..errors import EngineState, SyncError, VerifyError
+from ..errors import EngineState, SyncError
 from ..versions import ServerVersions
-from ..server_client import (
-    ServerClient,
-    ServerConfigError,
-    ServerRequestError,
-    ServerRouteMissing,
-    ServerUnavailableError,
+from ..server_client import ServerClient, ServerConfigError, ServerRequestError, ServerUnavailableError
+from .server_adapters import ServerAdapters
+from .server_layout import ServerLayout
+from .server_transports import (
+    SUPPORTED_BACKENDS,
+    Cut,
+    UpstreamError,
+    check_server,
+    completed_with_placeholders,
+    local_address_towards,
+    transport_for,
+    upstream_marked,
 )
 
 if TYPE_CHECKING:
@@ -65,9 +62,15 @@ __all__ = [
     "ServerTransportError",
     "ServerWriter",
     "check_server",
+    "local_address_towards",
+    "transport_for",
 ]
 
 logger = logging.getLogger(__name__)
+
+# The bound on asking a server its weight version after a failed round (an account of the failure, not a wait of
+# the sync: a server that stopped answering was not asked).
+_ASK_AFTER_FAILURE_S = 5.0
 
 
 class ServerPushError(SyncError):
@@ -82,190 +85,7 @@ class ServerResumeError(ServerPushError):
     """The weights were written under a pause, but the server did not resume its generation (`POST /resume`)."""
 
 
-@dataclass(frozen=True)
-class _Transport:
-    """How to reach one weight-transfer backend from the trainer.
-
-    Attributes:
-        retains_tensors: the trainer engine keeps tensors it was handed until a chunk is complete (NCCL's packed
-            producer concatenates a chunk's tensors lazily); gloo copies each into its chunk at once.
-        init_fields: backend-specific fields of the trainer init info, from (master address, port, world size,
-            buffer bytes, timeout, the sync's deadline).
-        requires_cuda: the backend runs only on a CUDA trainer.
-        partial_round: what the server's engine holds after a round that ended part-way.
-        aborts_round: the backend can end a round part-way on the server's side (gloo's abort marker), so a failure
-            of the trainer's own stream leaves the transfer usable; without it (vLLM's NCCL backend) the round is
-            completed with placeholder tensors, which the server then holds (reported as undefined).
-        patches_loaders: the backend's worker side applies this package's fixes of vLLM's loaders
-            (`compat.vllm_patches`, e.g. gpt-oss's); without them, the tensors those fixes cover are refused.
-        bounded: the trainer engine ends its own waits by the sync's deadline (`bound`); vLLM's NCCL engine keeps
-            NCCL's bound on its collectives (the HTTP answers are bounded by the client either way).
-        stages: the backend can receive an update into the server's host memory while the engine keeps generating
-            and write it later (gloo's staged rounds), so a writer that pauses the server pauses it for the write
-            alone; without it (NCCL) the server is paused for the whole send.
-    """
-
-    retains_tensors: bool
-    init_fields: Callable[[str, int, int, int, float, float | None], dict[str, Any]]
-    requires_cuda: bool
-    partial_round: EngineState
-    aborts_round: bool
-    patches_loaders: bool
-    bounded: bool
-    stages: bool
-
-
-_TRANSPORTS: dict[str, _Transport] = {
-    "nccl": _Transport(
-        retains_tensors=True,
-        init_fields=lambda address, port, world, buffer, timeout, deadline: {
-            "master_address": address,
-            "master_port": port,
-            "world_size": world,
-            "packed": True,
-            "packed_buffer_size_bytes": buffer,
-        },
-        requires_cuda=True,
-        partial_round=EngineState(
-            "undefined", note="vLLM's NCCL backend processes layers that received part of their weights from what they have"
-        ),
-        aborts_round=False,
-        patches_loaders=False,
-        bounded=False,
-        stages=False,
-    ),
-    "gloo": _Transport(
-        retains_tensors=False,
-        init_fields=lambda address, port, world, buffer, timeout, deadline: {
-            "master_address": address,
-            "master_port": port,
-            "world_size": world,
-            "buffer_bytes": buffer,
-            "timeout_s": timeout,
-            "deadline": deadline,
-        },
-        requires_cuda=False,
-        partial_round=EngineState(
-            "mixed",
-            note="the server's gloo backend gives layers that received part of their weights their previous ones back "
-            "and logs which weights hold which",
-        ),
-        aborts_round=True,
-        patches_loaders=True,
-        bounded=True,
-        stages=True,
-    ),
-}
-SUPPORTED_BACKENDS: tuple[str, ...] = tuple(_TRANSPORTS)
-
-# The bound on asking a server its weight version after a failed round (an account of the failure, not a wait of
-# the sync: a server that stopped answering was not asked).
-_ASK_AFTER_FAILURE_S = 5.0
-
-
-def transport_for(info: ServerInfo) -> _Transport:
-    """The transport for the server's configured backend, decided once.
-
-    Raises:
-        ServerConfigError: the server has no weight-transfer backend, or one this writer does not drive, or one that
-            needs CUDA on a trainer without it; says how to restart the server.
-    """
-    backend = info.weight_transfer_backend
-    if backend is None:
-        raise ServerConfigError(
-            "The vLLM server was started without a weight-transfer backend, so weights cannot be sent to it. Restart "
-            "it with --weight-transfer-config '{\"backend\": \"nccl\"}' (CUDA trainer and server) or "
-            "'{\"backend\": \"gloo\"}' (any machine; needs fsdp-vllm-sync installed on the server), and "
-            "VLLM_SERVER_DEV_MODE=1."
-        )
-    transport = _TRANSPORTS.get(backend)
-    if transport is None:
-        raise ServerConfigError(
-            f"The vLLM server uses the weight-transfer backend {backend!r}; fsdp-vllm-sync supports "
-            f"{list(SUPPORTED_BACKENDS)}. Restart the server with one of them."
-        )
-    if transport.requires_cuda and not torch.cuda.is_available():
-        raise ServerConfigError(
-            f"The vLLM server uses the {backend!r} weight-transfer backend, which needs CUDA on the trainer; this "
-            "trainer has none. Restart the server with --weight-transfer-config '{\"backend\": \"gloo\"}'."
-        )
-    return transport
-
-
-def check_server(address: ServerAddress, *, timeout_s: float) -> ServerInfo:
-    """Wait for the server (up to the trainer's `vllm_server_timeout`) and check it can take weights.
-
-    Raises:
-        ServerUnavailableError: not up in time.
-        ServerConfigError: no weight-transfer backend, an unsupported one, or no development routes.
-    """
-    client = ServerClient(address.base_url, timeout=timeout_s)
-    client.wait_until_up(address.startup_timeout_s)
-    info = client.server_info()
-    transport = transport_for(info)
-    if transport.patches_loaders:
-        return info
-    # NOTE: read on every rank, so that every rank's manifest refuses (or not) the same tensors.
-    return dataclasses.replace(info, engine_fixes=client.engine_fixes())
-
-
-class _UpstreamError(Exception):
-    """Carries an exception raised by the sync's own stream through the transport's code, to tell it apart from
-    the transport's failures."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _upstream_marked(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    it = iter(stream)
-    while True:
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        except Exception as e:
-            raise _UpstreamError(e) from e
-        yield item
-
-
-@dataclass
-class _Cut:
-    """How a stream completed with placeholders was cut: its error and the announced tensors that were replaced."""
-
-    error: Exception | None = None
-    placeholders: list[str] = field(default_factory=list)
-
-
-def _completed_with_placeholders(
-    stream: Iterator[tuple[str, torch.Tensor]], meta: list[Any], cut: _Cut
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The stream; if it fails part-way, the rest of the announced tensors as placeholders (zeros, on the device of
-    the last real tensor), so that a backend that cannot abort a round still completes it."""
-    sent = 0
-    device = torch.device("cpu")
-    try:
-        for name, tensor in stream:
-            sent += 1
-            device = tensor.device
-            yield name, tensor
-    except _UpstreamError as e:
-        cut.error = e.error
-        for m in meta[sent:]:
-            cut.placeholders.append(m.name)
-            yield m.name, torch.zeros(m.shape, dtype=m.dtype, device=device)
-
-
-def local_address_towards(base_url: str) -> str:
-    """This host's address on the interface that routes to the server (what the server's workers connect to)."""
-    host = urlparse(base_url).hostname or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # UDP: no packet is sent
-        return s.getsockname()[0]
-
-
-class ServerWriter:
+class ServerWriter(ServerLayout, ServerAdapters):
     """Push into a vLLM server through its weight-transfer API.
 
     Args:
@@ -332,120 +152,6 @@ class ServerWriter:
         # and not yet published (staged on the workers; verify reads it).
         self._adapter_name: str | None = None
         self._staged_name: str | None = None
-
-    # --- AdapterWriter: adapter syncs (`fsdp_sync.sync.adapter`), over the transfer, into the server's LoRA manager ---
-
-    def lora_limits(self) -> LoRALimits | None:
-        """From the server's configuration (every rank has it); the target modules are checked by the server before
-        it keeps anything."""
-        rank = self.info.max_lora_rank
-        return LoRALimits(rank, None, None) if rank is not None else None
-
-    def kept_adapter_versions(self) -> int:
-        """How many adapter versions the server keeps servable (`FSDP_VLLM_SYNC_ADAPTER_VERSIONS` there; the
-        fewest any worker keeps), asked through a method this package's gloo backend gives its workers.
-
-        Raises:
-            ServerConfigError, ServerRequestError: the server cannot say (without the gloo backend, or an invalid
-                setting there, named in the server's answer).
-        """
-        from fsdp_sync.compat.lora_patches import KEPT_VERSIONS_METHOD
-
-        assert self.client is not None
-        return min(int(k) for k in self.client.collective_rpc(KEPT_VERSIONS_METHOD))
-
-    def adapter_transport_refusal(self) -> str | None:
-        if self.backend != "gloo":
-            return (
-                f"adapter syncs to a server travel over this package's 'gloo' weight-transfer backend; the server "
-                f"uses {self.backend!r}"
-            )
-        return None
-
-    def base_checkpoint(self) -> str:
-        return self.checkpoint_dir
-
-    def load_adapter(self, adapter: Adapter) -> None:
-        """Send the adapter's tensors over the transfer; every worker builds it and stages it beside the versions it
-        serves (a request naming it is answered 404 until `publish_adapter`)."""
-        refusal = self.adapter_transport_refusal()
-        if refusal is not None:
-            raise ServerConfigError(refusal)
-        self._source = self._source or plan_source(())
-        self._staged_name = adapter.name
-        self._adapter_round(lambda engine: engine.send_adapter(
-            list(adapter.tensors.items()),
-            {"id": adapter.adapter_id, "name": adapter.name, "config": dict(adapter.config)},
-        ))  # fmt: skip
-
-    def publish_adapter(self, adapter: Adapter) -> None:
-        """The commit point of an adapter sync: the staged version becomes servable on every worker and in the API
-        server's list (the oldest beyond the server's K retired). A publish whose answer was lost is read back from
-        the server's list (`/v1/models`): it raises only when the server does not serve the version. This writer's
-        first publish retires every version the server served before (another trainer's: a restarted job names its
-        versions from v1 again)."""
-        try:
-            fresh = self._adapter_name is None
-            self._adapter_round(lambda engine: engine.publish_adapter(adapter.name, fresh=fresh))
-        except Exception as e:
-            assert self.client is not None
-            try:
-                served = adapter.name in self.client.model_names()
-            except Exception as asked:  # noqa: BLE001 - the publish's own failure is the one raised
-                logger.warning("weight sync: the server's adapters after a failed publish: %s", asked)
-                raise e from None
-            if not served:
-                raise
-            logger.warning("weight sync: the publish's request failed (%s), but the server serves %s", e, adapter.name)
-        self._adapter_name, self._staged_name = adapter.name, None
-
-    def abandon_adapter(self) -> None:
-        """Nothing to send: a staged version is never served, and the next push replaces it on the workers."""
-        self._staged_name = None
-
-    def _adapter_round(self, send: Callable[[Any], Any]) -> None:
-        """One adapter round over the transfer (`send(engine)`); a failure drops the transfer (set up again at the
-        next sync)."""
-        try:
-            engine = self._begin_round()
-            self._round_open = True
-            send(engine)
-            self._round_open = False
-        except Exception:
-            self._drop_transfer()
-            raise
-
-    def adapter_request(self) -> object | None:
-        """The name requests ask for the adapter by (TRL's client sends it as `model`): the version published last."""
-        return self._adapter_name
-
-    def adapter_digests(self) -> tuple[dict[str, dict[str, str]], EngineLoRA]:
-        """Each worker's digests of the adapter it keeps under the staged version's name, every worker of every
-        data-parallel replica (asked over the transfer group: `ask_workers`); a tensor-parallel worker keeps the
-        whole adapter (vLLM slices it only when it activates it).
-
-        Raises:
-            VerifyError: a worker keeps no such version.
-        """
-        name = self._staged_name
-        assert self._engine is not None and name is not None, "no adapter was staged"
-        try:
-            asked = self._engine.ask_workers("adapter_digests", name)
-        except Exception:
-            # NOTE: a question not answered may leave the group mid-collective: set the transfer up again next sync.
-            self._drop_transfer()
-            raise
-        answers = {a["worker"] or str(i): a["answer"] for i, a in enumerate(asked)}
-        missing = [f"worker {w} (it keeps {a.get('kept')})" for w, a in answers.items() if not a.get("held")]
-        if missing or not answers:
-            raise VerifyError(f"the server keeps no adapter {name} on {', '.join(missing) or 'any worker'}")
-        dtypes = sorted({d for a in answers.values() for d in a["dtypes"]})
-        if len(dtypes) > 1:
-            raise VerifyError(f"the server's workers keep adapter {name} in several dtypes: {dtypes}")
-        dtype = dtypes[0] if dtypes else str(self.info.dtype).removeprefix("torch.")
-        model_class = engine_model_class(self._architectures())
-        engine = engine_lora_of(model_class, getattr(torch, dtype), vocab_size=None, max_positions=None)
-        return {w: a["digests"] for w, a in answers.items()}, engine
 
     def manifest(self) -> EngineManifest:
         try:
@@ -595,14 +301,14 @@ class ServerWriter:
         the error says what the server holds."""
         assert self._source is not None, "prepare() must be called first"
         stage = "connect"
-        cut = _Cut()
+        cut = Cut()
         engine: Any = None
         try:
             engine = self._begin_round()
             stage = "send"
-            stream = _upstream_marked(weights)
+            stream = upstream_marked(weights)
             if not self.transport.aborts_round:
-                stream = _completed_with_placeholders(stream, source_metadata(self._source), cut)
+                stream = completed_with_placeholders(stream, source_metadata(self._source), cut)
             self._source.feed(stream)
             self._round_open = True
             if self.pause_for_write and not self.staged:
@@ -618,7 +324,7 @@ class ServerWriter:
             self._round_open = False
         except ServerResumeError:
             raise
-        except _UpstreamError as e:
+        except UpstreamError as e:
             if not self.transport.aborts_round:
                 self._drop_transfer()
             raise ServerPushError(
@@ -673,89 +379,6 @@ class ServerWriter:
         if getattr(engine, "data_chunks", None) == 0:
             return EngineState("unchanged", note="the round ended before any weight was sent")
         return self.transport.partial_round
-
-    def _architectures(self) -> list[str]:
-        """The `architectures` of the server's checkpoint (empty where its config cannot be read here)."""
-        config = Path(self.checkpoint_dir) / "config.json"
-        return (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
-
-    def engine_layout(self) -> EngineLayout:
-        # NOTE: the server's parameter names come with its digests (the only route that lists them); read once per
-        # plan, when the sync sends only what changed or verifies.
-        assert self.client is not None
-        naming = engine_naming_for_architectures(self._architectures())
-        try:
-            checksums = self._plan_checksums = self.client.weight_checksums()
-        except ServerRouteMissing as e:
-            logger.warning(
-                "weight sync: %s, so its parameters cannot be listed; delta syncs send whole decoder layers (every "
-                "tensor of a layer that holds anything that can change), and SyncConfig(verify=True) is refused",
-                e,
-            )
-            refused = ServerConfigError(
-                f"SyncConfig(verify=True) compares the server's own weight digests with what was sent, but {e}. "
-                "Upgrade the server's vLLM, or sync without verify."
-            )
-            refused.__cause__ = e
-            return EngineLayout(naming, None, refused)
-        modules = frozenset(key.rsplit(":", 1)[-1].rpartition(".")[0] for key in checksums)
-        return EngineLayout(naming, modules, shard_rules=self._shard_rules(checksums))
-
-    def _shard_rules(self, checksums: dict[str, str]) -> dict[str, dict[str, Any]] | None:
-        """Each worker's cut of every weight, where the server shards them (None: it does not, or cannot say why
-        not: then `verify` reports the split weights as unverifiable, by name)."""
-        assert self.client is not None
-        if not worker_digests(checksums)[1]:
-            return None
-        try:
-            return self.client.shard_rules()
-        except (ServerConfigError, ServerRequestError) as e:
-            logger.warning(
-                "weight sync: the server shards weights over its workers but cannot say how (%s); "
-                "SyncConfig(verify=True) reports its split weights as unverifiable",
-                e,
-            )
-            return None
-
-    def engine_digests(self) -> tuple[dict[str, dict[str, str]], bool]:
-        assert self.client is not None
-        return worker_digests(self.client.weight_checksums())
-
-    def sparse_refusal(self) -> str | None:
-        if self.backend != "gloo":
-            return (
-                f"the server's {self.backend!r} weight-transfer backend takes whole tensors; sparse syncs to a server "
-                "use this package's 'gloo' backend (vLLM's sparse_nccl backend is not driven yet)"
-            )
-        try:
-            self._checksums()
-        except ServerRouteMissing as e:
-            return f"{e}, so it cannot say which of its weights can be patched in place (vLLM >= 0.32)"
-        return None
-
-    def _checksums(self) -> dict[str, str]:
-        """The server's per-parameter digests: those this plan read already, else read now.
-
-        NOTE: a plan asks three questions of them (names, sparse support, packed-away weights); each read makes the
-        server hash every weight, so they are read once per plan. `engine_digests` (verify) always reads anew.
-        """
-        assert self.client is not None
-        if self._plan_checksums is None:
-            self._plan_checksums = self.client.weight_checksums()
-        return self._plan_checksums
-
-    def patch_refusals(self) -> dict[str, str]:
-        from fsdp_sync.transfer.plugin import SPARSE_ENV
-
-        from ..digest import EMPTY_DIGEST
-
-        refused: dict[str, str] = {}
-        for key, digest in self._checksums().items():
-            if digest == EMPTY_DIGEST:
-                refused[key.rsplit(":", 1)[-1]] = (
-                    f"the server packed it away (vLLM-CPU); start the server with {SPARSE_ENV}=1 to keep it"
-                )
-        return refused
 
     def write_patches(self, patches: Sequence[EnginePatch]) -> None:
         """Send one sparse update (gloo); errors as `write`'s."""

@@ -62,6 +62,41 @@ def _verified_on_every_worker(ranks: list[dict]) -> None:
     assert all(rep["verified"] == 0 for r in ranks[1:] for rep in r["reports"])
 
 
+def _check_live_server(url: str, model_dir, tmp_path, workers: list[str], capsys) -> None:
+    """`python -m fsdp_sync.server_check` (issue 49), as a user runs it against a live multi-worker server, before
+    any sync: the server's checkpoint passes, every weight of every worker compared (each tensor-parallel worker by its
+    cut); a copy of it with one tensor changed fails, the tensor named on every worker that holds part of it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fsdp_sync.server_check import check_server_weights, main
+
+    assert main(["--server", url, "--weights", str(model_dir)]) == 0, capsys.readouterr()
+    result = check_server_weights(url, str(model_dir))
+    assert result.checked >= 16 * len(workers) and not result.mismatched and not result.unverifiable, result
+    changed = tmp_path / "changed"
+    shutil.copytree(model_dir, changed)
+    (weights,) = sorted(changed.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name] + torch.ones_like(tensors[name])
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["--server", url, "--weights", str(changed)]) == 1
+    out = capsys.readouterr().out
+    differs = [line for line in out.splitlines() if line.startswith("DIFFERS: ")]
+    assert len(differs) == len(workers) and all(name in line for line in differs), out
+    assert sorted(w for w in workers if any(w in line for line in differs)) == sorted(workers), out
+
+
+def test_a_user_checks_the_live_tensor_parallel_server(
+    tp2_server: VLLMServerProcess, checkpoints, tmp_path, capsys
+) -> None:
+    _check_live_server(tp2_server.base_url, checkpoints("qwen2"), tmp_path, TP2_WORKERS, capsys)
+
+
 def test_complete_then_sparse_syncs_into_a_tensor_parallel_server(
     tp2_server: VLLMServerProcess, checkpoints, tmp_path
 ) -> None:
@@ -100,6 +135,12 @@ def test_async_trainer_staged_syncs_into_a_tensor_parallel_server(
     under one pause; every shard on both workers bit-exact after each, and the version the trainer, the server and
     the rollout worker agree on moves with each sync."""
     _async_staged(tp2_server, checkpoints("qwen2"), tmp_path, "fsdp2", TP2_WORKERS)
+
+
+def test_a_user_checks_the_live_data_parallel_server(
+    dp2_server: VLLMServerProcess, checkpoints, tmp_path, capsys
+) -> None:
+    _check_live_server(dp2_server.base_url, checkpoints("qwen2"), tmp_path, DP2_WORKERS, capsys)
 
 
 def test_complete_then_delta_syncs_into_a_data_parallel_server(

@@ -47,6 +47,22 @@ def test_what_vllm_cannot_serve_is_refused_with_the_reason(changes: dict, target
     assert any(says in r for r in reasons), reasons
 
 
+@pytest.mark.parametrize(
+    ("server", "fix"),
+    [
+        (True, "rank 12 is above the server's max_lora_rank 8: restart the server with --max-lora-rank 16"),
+        (False, "rank 12 is above the engine's max_lora_rank 8: start the engine with max_lora_rank=16"),
+        (None, "rank 12 is above max_lora_rank 8: start the engine with max_lora_rank=16 (a server: --max-lora-rank 16)"),
+    ],
+    ids=["server", "in-process", "unknown"],
+)  # fmt: skip
+def test_a_rank_above_the_engines_names_the_setting_and_value_that_fix_it(server: bool | None, fix: str) -> None:
+    """Issue 49: not only "use merged syncs": the flag (a server) or argument (`vllm.LLM`), at the smallest value
+    vLLM accepts that holds the adapter's largest rank (12 -> 16)."""
+    reasons = adapter_refusals(_config(rank_pattern={"q_proj": 12}), LIMITS, {"q_proj"}, server=server)
+    assert any(fix in r for r in reasons), reasons
+
+
 def test_the_peft_config_of_a_model_as_a_plain_dict() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -146,6 +162,80 @@ def test_the_api_server_serves_exactly_the_last_k_published_versions(monkeypatch
     # another trainer's first publish: the versions served before are retired, a path-loaded adapter is kept
     lora_patches._serve_published("fvs-v1", keep=2, fresh=True)
     assert list(models.lora_requests) == ["mine", "fvs-v1"] and lora_patches._API_SERVED == ["fvs-v1"]
+
+
+def test_a_name_published_again_drops_the_prefix_cache_before_the_workers_serve_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM keys its prefix cache by the adapter's name and path: before a name published earlier in the server's
+    life is published again (a trainer restarted from v1), the API server drops the cache, then forwards the publish;
+    a push of an adapter's tensors (staged) and a first publish drop nothing. Regression (issue 47): a reloaded
+    version served 32 prompt tokens cached under the earlier contents."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from fsdp_sync.compat import lora_patches
+
+    try:
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    except ImportError:  # its module before vLLM moved it (as `lora_patches.guard_served_adapters` imports it)
+        from vllm.entrypoints.openai.serving_models import OpenAIServingModels  # type: ignore[no-redef]
+
+    calls: list[str] = []
+
+    async def original_update(self: object, request: object) -> None:
+        calls.append("update")
+
+    monkeypatch.setattr(AsyncLLM, "update_weights", original_update, raising=False)
+    monkeypatch.setattr(OpenAIServingModels, "__init__", OpenAIServingModels.__init__)
+    monkeypatch.setattr(lora_patches, "_API_SERVED", [])
+    monkeypatch.setattr(lora_patches, "_API_EVER", set())
+    monkeypatch.setattr(lora_patches, "_SERVING_MODELS", lora_patches.weakref.WeakSet())
+    monkeypatch.setenv(lora_patches.ADAPTER_VERSIONS_ENV, "2")
+    lora_patches.guard_served_adapters()
+
+    class Engine:
+        async def reset_prefix_cache(self) -> bool:
+            calls.append("reset")
+            return True
+
+    def publish(name: str, **extra: object) -> list[str]:
+        calls.clear()
+        info = {"names": [], "dtype_names": [], "shapes": [], **extra} if extra else {"names": [], "publish": name}
+        asyncio.run(AsyncLLM.update_weights(Engine(), SimpleNamespace(update_info=info)))  # type: ignore[arg-type]
+        return list(calls)
+
+    assert publish("fvs-v1", adapter={"id": 1, "name": "fvs-v1", "config": {}}) == ["update"]  # staged: nothing
+    assert publish("fvs-v1") == ["update"]  # first publish of the name
+    assert publish("fvs-v2") == ["update"]
+    assert publish("fvs-v1") == ["reset", "update"]  # the name again, with other contents: the cache goes first
+    assert lora_patches._API_SERVED == ["fvs-v2", "fvs-v1"]
+
+
+def test_a_worker_serves_a_pushed_adapter_only_once_it_is_published(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker side: a pushed adapter is staged (verify reads it by name; no request is served from it), published
+    on the trainer's word (the oldest beyond K retired), and a publish of a version never pushed changes nothing."""
+    from fsdp_sync.compat import lora_patches
+
+    monkeypatch.setattr(lora_patches, "_SERVED", lora_patches.OrderedDict())
+    monkeypatch.setattr(lora_patches, "_STAGED", {})
+    monkeypatch.setenv(lora_patches.ADAPTER_VERSIONS_ENV, "2")
+    for version in (1, 2, 3):
+        lora_patches._STAGED.clear()
+        lora_patches._STAGED[f"v{version}"] = f"lora{version}"  # what `stash_adapter` keeps, built and checked
+        assert lora_patches.kept_adapter(f"v{version}") == f"lora{version}"  # verify reads the staged version
+        assert f"v{version}" not in lora_patches.served_adapters()
+        lora_patches.publish_adapter(f"v{version}")
+        assert lora_patches.served_adapters()[-1] == f"v{version}" and not lora_patches._STAGED
+    assert lora_patches.served_adapters() == ["v2", "v3"]
+    with pytest.raises(KeyError, match="no adapter v9"):
+        lora_patches.publish_adapter("v9")
+    assert lora_patches.served_adapters() == ["v2", "v3"]
+    lora_patches._STAGED["v1"] = "another trainer's v1"
+    lora_patches.publish_adapter("v1", fresh=True)  # another trainer's first publish retires what was served
+    assert lora_patches.served_adapters() == ["v1"] and lora_patches.kept_adapter("v1") == "another trainer's v1"
 
 
 class _ServingModels:
@@ -261,6 +351,47 @@ def test_a_server_whose_transport_cannot_carry_an_adapter_falls_back_to_merged_s
     assert "merged syncs, not adapter syncs" in caplog.text and "'nccl'" in caplog.text
     with pytest.raises(UnsupportedSetupError, match="uses 'nccl'"):
         _adapter_sync(_tiny_peft(), writer, SyncConfig(adapter=True), cpu, None)
+
+
+def test_adapter_true_refusals_name_the_change_that_fixes_them() -> None:
+    """Issue 49: each refusal of `adapter=True` says what to change, then the merged fallback: a server whose
+    `--max-lora-rank` is too low (the flag and value), a server without LoRA (both flags), a model without PEFT
+    (drop `adapter=True`, or give the trainer `peft_config=`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp_sync.assemble import _adapter_sync
+    from fsdp_sync.compat.server_api import ServerInfo
+    from fsdp_sync.errors import UnsupportedSetupError
+    from fsdp_sync.writers import server as server_writer
+
+    cpu = torch.device("cpu")
+
+    def refusal(model: torch.nn.Module, writer: object) -> str:
+        with pytest.raises(UnsupportedSetupError) as raised:
+            _adapter_sync(model, writer, SyncConfig(adapter=True), cpu, None)
+        message = str(raised.value)
+        assert "use merged syncs instead: SyncConfig(adapter=False)" in message and "Nothing was written" in message
+        return message
+
+    def gloo_server(max_lora_rank: int | None) -> object:
+        info = ServerInfo(model="/srv/m", dtype=torch.float32, weight_transfer_backend="gloo", served_name="m",
+                          max_lora_rank=max_lora_rank)  # fmt: skip
+        return server_writer.ServerWriter(None, info, group_port=1, buffer_bytes=1024, timeout_s=5)
+
+    rank_12 = _tiny_peft(rank_pattern={"q_proj": 12})
+    assert "rank 12 is above the server's max_lora_rank 8: restart the server with --max-lora-rank 16" in refusal(
+        rank_12, gloo_server(8)
+    )
+    assert "started without LoRA: restart the server with --enable-lora --max-lora-rank 16" in refusal(
+        rank_12, gloo_server(None)
+    )
+    assert "start the engine with max_lora_rank=16" in refusal(rank_12, _AdapterEngine(LIMITS))  # colocated
+    assert "enable_lora=True, max_lora_rank=8" in refusal(_tiny_peft(), _AdapterEngine(None))
+
+    config = AutoConfig.for_model("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    message = refusal(AutoModelForCausalLM.from_config(config), _AdapterEngine(LIMITS))
+    assert "the model has no PEFT adapter: drop adapter=True" in message and "peft_config=" in message
 
 
 def test_the_base_check_reads_only_each_pieces_rows_compares_exactly_and_closes_its_files(

@@ -297,3 +297,17 @@ def test_vllm_accepts_the_flags(name: str) -> None:
         # no slot to spare: the smallest cache that keeps them
         fewer = LoRAConfig(max_lora_rank=args.max_lora_rank, max_loras=1, max_cpu_loras=args.max_cpu_loras - 1)
         assert args.max_cpu_loras == 1 or version_refusal(config["kept_versions"], fewer) is not None
+
+
+def test_what_each_backend_serves_is_what_the_server_writers_transports_declare() -> None:
+    """The generator's table of what each backend carries (kept torch-free) against the transports' own
+    declarations (`fsdp_sync.writers.server_transports`): one rule, in two places only because of the import."""
+    from fsdp_sync import server_command
+    from fsdp_sync.writers.server_transports import _TRANSPORTS, SUPPORTED_BACKENDS
+
+    assert set(server_command._SERVES) == set(SUPPORTED_BACKENDS) == set(server_command.BACKENDS)
+    for name, transport in _TRANSPORTS.items():
+        serves = server_command._SERVES[name]
+        assert ("a CPU server" in serves) == (not transport.requires_cuda), name
+        assert ("adapter syncs" in serves) == transport.carries_adapters, name
+        assert ("sparse syncs" in serves) == transport.carries_patches, name
