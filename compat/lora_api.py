@@ -26,6 +26,7 @@ __all__ = [
     "Adapter",
     "EngineLoRA",
     "LoRALimits",
+    "adapter_rank",
     "adapter_refusals",
     "adapter_request",
     "adapter_tensor_name",
@@ -39,6 +40,7 @@ __all__ = [
     "remove_adapter",
     "loaded_adapters",
     "lora_model",
+    "max_lora_rank_fix",
     "peft_adapter_config",
     "served_lora_tensors",
     "worker_engine_lora",
@@ -129,27 +131,64 @@ def _plain(value: Any) -> Any:
     return getattr(value, "value", value)
 
 
-def adapter_refusals(config: Mapping[str, Any], limits: LoRALimits, targeted: Iterable[str]) -> list[str]:
-    """Why the engine cannot serve this adapter (empty: it can), read before anything is written.
+def adapter_rank(config: Mapping[str, Any]) -> int:
+    """The largest rank of a PEFT LoRA config dict (its `r` and its `rank_pattern` values)."""
+    return max([int(config.get("r") or 0), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
+
+
+def max_lora_rank_fix(rank: int, *, server: bool | None, enable_lora: bool = False) -> str:
+    """The change that lets an engine serve an adapter of `rank`: `max_lora_rank` at the smallest value vLLM accepts
+    that holds it (vLLM takes only some values), as a server's flag (`server=True`), an in-process engine's argument
+    (False), or both (None: not known which); with `enable_lora`, LoRA switched on too. A rank above every value vLLM
+    accepts is said as such (no setting serves it)."""
+    from .trl_adapter import lora_rank_for_engine
+
+    try:
+        value = lora_rank_for_engine(rank)
+    except ValueError as e:
+        return str(e)
+    except ImportError:  # a vLLM without the list of accepted ranks: the rank itself is the least it needs
+        value = rank
+    flag = f"{'--enable-lora ' if enable_lora else ''}--max-lora-rank {value}"
+    argument = f"{'enable_lora=True, ' if enable_lora else ''}max_lora_rank={value}"
+    match server:
+        case True:
+            return f"restart the server with {flag}"
+        case False:
+            return f"start the engine with {argument}"
+        case None:
+            return f"start the engine with {argument} (a server: {flag})"
+
+
+def adapter_refusals(
+    config: Mapping[str, Any], limits: LoRALimits, targeted: Iterable[str], *, server: bool | None = None
+) -> list[str]:
+    """Why the engine cannot serve this adapter (empty: it can), read before anything is written; each reason says
+    the change that fixes it where one does.
 
     Args:
         config: PEFT's adapter config dict.
         limits: the engine's LoRA limits.
         targeted: the module names (last segment) the adapter's LoRA weights sit on.
+        server: the engine is a vLLM server (True), an in-process `vllm.LLM` (False), or not known (None): which
+            setting a fix names (`--max-lora-rank N` or `max_lora_rank=N`).
     """
-    reasons = _vllm_refusals(config, limits)
+    reasons = _vllm_refusals(config, limits, server)
     if config.get("modules_to_save"):
-        reasons.append(f"modules_to_save {sorted(config['modules_to_save'])} (full trained copies, not an adapter)")
+        reasons.append(
+            f"modules_to_save {sorted(config['modules_to_save'])} (full trained copies, not an adapter: drop "
+            "modules_to_save from the LoraConfig)"
+        )
     unsupported = sorted(set(targeted) - limits.target_modules) if limits.target_modules is not None else []
     if unsupported:
         reasons.append(
             f"target modules {unsupported} are not LoRA modules of this architecture in vLLM "
-            f"(supported: {sorted(limits.target_modules)})"
+            f"(supported: {sorted(limits.target_modules)}; drop them from target_modules)"
         )
     return reasons
 
 
-def _vllm_refusals(config: Mapping[str, Any], limits: LoRALimits) -> list[str]:
+def _vllm_refusals(config: Mapping[str, Any], limits: LoRALimits, server: bool | None) -> list[str]:
     """vLLM's own checks of an adapter config (`PEFTHelper.validate_legal`: DoRA, LoRA bias, ranks)."""
     from vllm.lora.peft_helper import PEFTHelper
 
@@ -162,9 +201,13 @@ def _vllm_refusals(config: Mapping[str, Any], limits: LoRALimits) -> list[str]:
         reasons.append("per-module ranks (rank_pattern), which this vLLM does not read")
     ranks = [helper.r, *(pattern if pattern is not None else config.get("rank_pattern") or {}).values()]
     if max(ranks) > limits.max_lora_rank:
-        reasons.append(f"rank {max(ranks)} is above the engine's max_lora_rank {limits.max_lora_rank}")
+        engine = {True: "the server's ", False: "the engine's ", None: ""}[server]
+        reasons.append(
+            f"rank {max(ranks)} is above {engine}max_lora_rank {limits.max_lora_rank}: "
+            f"{max_lora_rank_fix(max(ranks), server=server)} to serve it as an adapter"
+        )
     if helper.bias != "none":
-        reasons.append(f"bias={helper.bias!r} (vLLM serves no adapter bias)")
+        reasons.append(f"bias={helper.bias!r} (vLLM serves no adapter bias: bias='none' in the LoraConfig)")
     return reasons
 
 

@@ -62,17 +62,26 @@ class TRLSyncTarget:
     owner: Any
 
 
-def _defines_move_model_to_vllm(cls: type) -> bool:
-    # The mixin defines the method too (to override it); only a trainer class's own definition counts.
-    return any(MOVE_MODEL_TO_VLLM in vars(c) for c in cls.__mro__ if not getattr(c, "_fvs_is_sync_mixin", False))
+def _trainer_classes(cls: type, mixin: type | None) -> list[type]:
+    """`cls`'s classes less `mixin` and its subclasses: the sync mixin defines the trainer's sync methods too (to
+    override them), and a class built on it inherits those; only a trainer class's own definitions count."""
+    return [c for c in cls.__mro__ if mixin is None or not issubclass(c, mixin)]
 
 
-def is_async_trainer(cls: type) -> bool:
+def _defines_move_model_to_vllm(cls: type, mixin: type | None = None) -> bool:
+    return any(MOVE_MODEL_TO_VLLM in vars(c) for c in _trainer_classes(cls, mixin))
+
+
+def is_async_trainer(cls: type, mixin: type | None = None) -> bool:
     """Whether `cls` is (a subclass of) TRL's async GRPO trainer: a trainer class of its own defines
-    `_sync_weight` and its constructor takes `weight_transfer`."""
+    `_sync_weight` and its constructor takes `weight_transfer`.
+
+    Args:
+        mixin: the sync mixin `cls` is built on, if any (its classes are not the trainer's).
+    """
     import inspect
 
-    trainer_classes = [c for c in cls.__mro__ if not getattr(c, "_fvs_is_sync_mixin", False)]
+    trainer_classes = _trainer_classes(cls, mixin)
     if not any(ASYNC_SYNC_WEIGHT in vars(c) for c in trainer_classes):
         return False
     for c in trainer_classes:
@@ -84,9 +93,10 @@ def is_async_trainer(cls: type) -> bool:
     return False
 
 
-def find_sync_target(trainer: Any) -> TRLSyncTarget | None:
-    """The trainer's vLLM sync target, or None when the trainer does not use vLLM."""
-    if is_async_trainer(type(trainer)):
+def find_sync_target(trainer: Any, mixin: type | None = None) -> TRLSyncTarget | None:
+    """The trainer's vLLM sync target, or None when the trainer does not use vLLM (`mixin`: the sync mixin the
+    trainer's class is built on, whose methods are not the trainer's)."""
+    if is_async_trainer(type(trainer), mixin):
         return TRLSyncTarget(
             entry=ASYNC_SYNC_WEIGHT, mode="server", llm=None, client=None, sleep_mode=False, owner=trainer
         )
@@ -102,7 +112,7 @@ def find_sync_target(trainer: Any) -> TRLSyncTarget | None:
             sleep_mode=bool(getattr(generation, "enable_sleep_mode", False)),
             owner=generation,
         )
-    if _defines_move_model_to_vllm(type(trainer)):
+    if _defines_move_model_to_vllm(type(trainer), mixin):
         args = getattr(trainer, "args", None)
         mode = getattr(trainer, "vllm_mode", None) or getattr(args, "vllm_mode", "server")
         return TRLSyncTarget(

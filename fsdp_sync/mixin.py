@@ -29,6 +29,7 @@ from fsdp_sync.compat.trl_api import (
 )
 from fsdp_sync.compat.engine_api import engine_handle, transformers_backend
 from fsdp_sync.compat.trl_adapter import ask_for_adapter, ask_server_for_adapter, engine_with_lora, peft_rank
+from fsdp_sync.compat.cpu_lora_base_requests import skip_lora_for_base_requests
 from fsdp_sync.compat.vllm_patches import keep_cpu_linear_weights, keep_mla_kv_b_proj_weights
 from fsdp_sync.compat.weight_transfer import missing_api
 
@@ -64,8 +65,6 @@ class FSDPVLLMSyncMixin:
         sync_reports: one `SyncReport` per sync on this rank, in order.
     """
 
-    _fvs_is_sync_mixin = True
-
     def __init__(self, *args: Any, sync_config: SyncConfig | None = None, **kwargs: Any) -> None:
         config = sync_config or SyncConfig()
         init = super().__init__
@@ -76,7 +75,7 @@ class FSDPVLLMSyncMixin:
         trainer_args = bound.get("args")
         # The one decision on the trainer family (TRL's async trainer has a seam of its own; the others change
         # nothing): its constructor arguments, its options, its writer's, its sync entry point.
-        self._fvs_seam = seam_for(type(self))
+        self._fvs_seam = seam_for(type(self), FSDPVLLMSyncMixin)
         self._fvs_server_writer: ServerWriter | None = None
         kwargs = self._fvs_seam.constructor_kwargs(bound, kwargs, self._fvs_close_transfer)
         config = self._fvs_seam.sync_config(config)
@@ -104,6 +103,9 @@ class FSDPVLLMSyncMixin:
             # NOTE: also before the engine is built: vLLM-CPU's latent attention (DeepSeek) frees a weight every
             # reload needs right after the first load (no effect elsewhere; see compat.vllm_patches).
             keep_mla_kv_b_proj_weights()
+            # NOTE: vLLM-CPU served base-model requests batched with adapter requests with the adapter (no effect
+            # elsewhere; this package's vLLM plugin does the same where plugins load: compat.cpu_lora_base_requests).
+            skip_lora_for_base_requests()
             with _engine_for_adapters(config, bound.get("peft_config")):
                 init(*args, **kwargs)
         self.sync_config = config
@@ -112,7 +114,7 @@ class FSDPVLLMSyncMixin:
         self._fvs_model: torch.nn.Module | None = None
         self._fvs_backend: Backend | None = None
         self._fvs_stale = False
-        self._fvs_target: TRLSyncTarget | None = find_sync_target(self)
+        self._fvs_target: TRLSyncTarget | None = find_sync_target(self, FSDPVLLMSyncMixin)
         self._fvs_refuse_generic_backend()
         # The trainer's own sync, kept for DeepSpeed runs (left to it).
         self._fvs_builtin_sync = None

@@ -35,7 +35,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_sync.compat.lora_api import Adapter, adapter_refusals, adapter_tensor_name, peft_adapter_config
+from fsdp_sync.compat.lora_api import (
+    Adapter,
+    adapter_rank,
+    adapter_refusals,
+    adapter_tensor_name,
+    max_lora_rank_fix,
+    peft_adapter_config,
+)
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name, unwrapped_name
 
 from ..config import SyncConfig
@@ -51,7 +58,11 @@ __all__ = ["AdapterPlan", "AdapterSync", "adapter_plan", "adapter_refusal", "gat
 
 logger = logging.getLogger(__name__)
 
-FALLBACK = "use merged syncs instead: SyncConfig(adapter=False), which merge the adapter into the base and push both"
+# The alternative every refusal of an adapter sync ends with (after the change that fixes the refusal itself).
+FALLBACK = (
+    "use merged syncs instead: SyncConfig(adapter=False), which push the whole model (a PEFT adapter merged into its "
+    "base)"
+)
 @dataclass(frozen=True)
 class AdapterPlan:
     """What an adapter sync sends, the same on every rank.
@@ -93,10 +104,16 @@ def adapter_plan(model: torch.nn.Module, gatherer: Gatherer, rules: NameRules) -
             base[name] = mapped
     reasons = []
     if other_adapters:
-        reasons.append(f"adapter weights other than lora_A/lora_B: {_few(other_adapters)}")
+        reasons.append(
+            f"adapter weights other than lora_A/lora_B: {_few(other_adapters)} (an adapter sync sends a LoRA "
+            "adapter's lora_A/lora_B alone: no DoRA, embedding or second adapter)"
+        )
     moving = sorted(n for n in base if n in trainable)
     if moving:
-        reasons.append(f"trainable parameters outside the adapter (the engine's base would go stale): {_few(moving)}")
+        reasons.append(
+            f"trainable parameters outside the adapter (the engine's base would go stale): {_few(moving)} (freeze "
+            "them: requires_grad=False)"
+        )
     if not checkpoint:
         reasons.append("the model has no lora_A/lora_B weights")
     if reasons:
@@ -107,27 +124,35 @@ def adapter_plan(model: torch.nn.Module, gatherer: Gatherer, rules: NameRules) -
 def adapter_refusal(
     model: torch.nn.Module, gatherer: Gatherer, rules: NameRules, writer: EngineWriter
 ) -> str | None:
-    """Why this model's adapter cannot be pushed as an adapter into `writer`'s engine (None: it can)."""
+    """Why this model's adapter cannot be pushed as an adapter into `writer`'s engine (None: it can), with the change
+    that fixes each reason where one does (the caller adds the merged fallback, `FALLBACK`)."""
     if not rules.peft:
-        return "the model has no PEFT adapter"
+        return (
+            "the model has no PEFT adapter: drop adapter=True (the default pushes the whole model), or give the "
+            "trainer the base model and peft_config=LoraConfig(...) (or wrap the model with PEFT) to push an adapter"
+        )
     if not isinstance(writer, AdapterWriter):
         return f"the {writer.kind} writer does not load adapters"
     transport = writer.adapter_transport_refusal()
     if transport is not None:
         return transport
-    # NOTE: on every rank (a server's configuration is known to all), so that every rank decides alike.
-    limits = writer.lora_limits()
-    if limits is None:
-        # NOTE: TRL builds a colocated engine with LoRA only when the trainer is given `peft_config=` (a model
-        # wrapped in PEFT beforehand gets an engine without it); users of TRL cannot pass `enable_lora` themselves.
-        return (
-            "the vLLM engine was started without LoRA (with TRL: pass `peft_config=` to the trainer instead of a "
-            "model wrapped in PEFT beforehand; your own `vllm.LLM`: enable_lora=True; a server: --enable-lora)"
-        )
+    server = not writer.engine_per_rank
     try:
         _, config = peft_adapter_config(model)
     except ValueError as e:
         return str(e)
+    # NOTE: on every rank (a server's configuration is known to all), so that every rank decides alike.
+    limits = writer.lora_limits()
+    if limits is None:
+        fix = max_lora_rank_fix(adapter_rank(config), server=server, enable_lora=True)
+        if server:
+            return f"the vLLM server was started without LoRA: {fix}"
+        # NOTE: TRL builds a colocated engine with LoRA only when the trainer is given `peft_config=` (a model
+        # wrapped in PEFT beforehand gets an engine without it); users of TRL cannot pass `enable_lora` themselves.
+        return (
+            "the vLLM engine was started without LoRA (with TRL: pass `peft_config=` to the trainer instead of a "
+            f"model wrapped in PEFT beforehand; your own `vllm.LLM`: {fix})"
+        )
     reasons: list[str] = []
     targeted: set[str] = set()
     try:
@@ -135,7 +160,7 @@ def adapter_refusal(
         targeted = {name.split(".")[-3] for name in plan.checkpoint.values()}
     except ValueError as e:
         reasons.append(str(e))
-    reasons = adapter_refusals(config, limits, targeted) + reasons
+    reasons = adapter_refusals(config, limits, targeted, server=server) + reasons
     return "; ".join(reasons) if reasons else None
 
 

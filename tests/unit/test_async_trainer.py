@@ -52,9 +52,9 @@ def test_the_async_trainer_and_its_subclasses_are_recognised_and_no_other() -> N
         def _sync_weight(self) -> None:  # a user's override, as the e2e job has
             super()._sync_weight()
 
-    assert is_async_trainer(AsyncGRPOTrainer) and is_async_trainer(Mine)
+    assert is_async_trainer(AsyncGRPOTrainer) and is_async_trainer(Mine, FSDPVLLMSyncMixin)
     assert not is_async_trainer(GRPOTrainer) and not is_async_trainer(RLOOTrainer)
-    target = find_sync_target(object.__new__(Mine))
+    target = find_sync_target(object.__new__(Mine), FSDPVLLMSyncMixin)
     assert target is not None and target.entry == ASYNC_SYNC_WEIGHT and target.mode == "server"
 
 

@@ -112,6 +112,8 @@ def test_demo_missing_dependency_names_the_extra(monkeypatch: pytest.MonkeyPatch
                 "--dtype {bfloat16,float16,float32}",
                 "(default: bfloat16)",
                 "(default: 8)",
+                "--adapter with --lora: also check what an adapter sync",
+                "--max-lora-rank N",
                 "every name the engine would reject.",  # the description is whole, not cut at its first line
                 "1 the engine would reject it",
                 "2 a mistake in the arguments",
@@ -144,9 +146,13 @@ def test_help_lists_choices_defaults_and_exit_codes(command, expected: list[str]
                                                                                      "--compare-fsdp2"),
         (["--compare-fsdp2", "--accelerate-config", "a.yaml", "--lora-r", "4"], "--lora-r is not read with "
                                                                                  "--compare-fsdp2"),
+        (["--adapter"], "--adapter checks the adapter --lora adds: add --lora NAMES (e.g. --lora q_proj,v_proj)"),
+        (["--lora", "q_proj", "--max-lora-rank", "8"], "--max-lora-rank is read with --adapter only: add --adapter"),
+        (["--compare-fsdp2", "--accelerate-config", "a.yaml", "--adapter"], "--adapter is not read with "
+                                                                             "--compare-fsdp2"),
     ],
     ids=["lora-r", "engine-dtype", "accelerate-config", "engine-dtype-default", "compare-backend", "compare-lora",
-         "compare-lora-r"],
+         "compare-lora-r", "adapter", "max-lora-rank", "compare-adapter"],
 )  # fmt: skip
 def test_check_refuses_an_option_it_would_ignore(argv: list[str], says: str, capsys) -> None:
     """Nothing is read or wrapped: the refusal comes first, one line, exit 2, naming the option that is missing (or
@@ -162,9 +168,10 @@ def test_check_refuses_an_option_it_would_ignore(argv: list[str], says: str, cap
     "argv",
     [
         ["--lora", "q_proj", "--lora-r", "4", "--backend", "fsdp1", "--dtype", "float32"],
+        ["--lora", "q_proj", "--adapter", "--max-lora-rank", "8", "--dtype", "float32"],
         ["--compare-fsdp2", "--accelerate-config", "a.yaml", "--engine-dtype", "float32", "--dtype", "float32"],
     ],
-    ids=["check", "compare-fsdp2"],
+    ids=["check", "adapter", "compare-fsdp2"],
 )
 def test_check_takes_the_options_each_mode_reads(argv: list[str]) -> None:
     from fsdp_sync.dry_run import _given, _refuse_ignored, build_parser

@@ -32,6 +32,48 @@ def test_dry_run_accepts_matching_checkpoint(qwen2: Path, backend: str, lora: st
         assert "lora_A" in out and "merged into its base weight" in out
 
 
+@pytest.mark.parametrize(
+    ("backend", "lora_r", "max_lora_rank", "code", "says"),
+    [
+        ("fsdp2", "8", "8", 0, "OK: an adapter sync would send this adapter"),
+        ("fsdp1", "16", "8", 1, "REFUSED (adapter sync): rank 16 is above max_lora_rank 8: start the engine with "
+                                "max_lora_rank=16 (a server: --max-lora-rank 16)"),
+    ],
+    ids=["accepted", "rank-above"],
+)  # fmt: skip
+def test_adapter_check_says_what_an_adapter_sync_would_refuse_and_the_fix(
+    qwen2: Path, backend: str, lora_r: str, max_lora_rank: str, code: int, says: str, capsys
+) -> None:
+    """Issue 49: `--adapter` checks an adapter plan before training (exit 0 where it would be accepted), naming the
+    setting that fixes a refusal and the merged fallback; the merged mapping is checked as before."""
+    argv = [str(qwen2), "--backend", backend, "--lora", "q_proj,v_proj", "--lora-r", lora_r, "--adapter",
+            "--max-lora-rank", max_lora_rank]  # fmt: skip
+    assert main(argv) == code
+    out = capsys.readouterr().out
+    assert says in out
+    assert "OK: every engine weight is sent exactly once" in out
+    assert "8 adapter tensors sent" in out
+    assert "-> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in out
+    assert f"LoRA settings the engine needs (adapter rank {lora_r}): start the engine with enable_lora=True" in out
+    if code:
+        assert "use merged syncs instead: SyncConfig(adapter=False)" in out
+
+
+def test_adapter_check_names_a_trainable_base_parameter_and_a_model_without_peft(qwen2: Path, capsys) -> None:
+    """The plan's own refusals (no engine needed), each with its fix."""
+    from fsdp_sync.cli import meta_model
+    from fsdp_sync.dry_run import _add_lora, adapter_check
+
+    model = _add_lora(meta_model(qwen2, torch.float32), ["q_proj"], 8)
+    model.base_model.model.model.norm.weight.requires_grad_(True)
+    assert not adapter_check(model, max_lora_rank=8)
+    out = capsys.readouterr().out
+    assert "trainable parameters outside the adapter (the engine's base would go stale)" in out
+    assert "model.norm.weight (freeze them: requires_grad=False)" in out
+    assert not adapter_check(meta_model(qwen2, torch.float32), max_lora_rank=None)
+    assert "REFUSED (adapter sync): the model has no PEFT adapter" in capsys.readouterr().out
+
+
 def test_dry_run_moe_reverts_fused_experts(tmp_path: Path, capsys) -> None:
     model_dir = build_tiny_checkpoint(tmp_path / "moe", "qwen3_moe")
     assert main([str(model_dir), "--backend", "fsdp2"]) == 0
@@ -104,6 +146,11 @@ def test_lora_target_that_is_a_block_is_one_line(qwen2: Path, capsys) -> None:
     assert "--lora mlp: PEFT cannot adapt Qwen2MLP; name layers, e.g. down_proj" in err
 
 
+def test_a_max_lora_rank_vllm_does_not_accept_is_one_line(qwen2: Path, capsys) -> None:
+    err = _usage_error(capsys, [str(qwen2), "--lora", "q_proj", "--adapter", "--max-lora-rank", "12"])
+    assert "--max-lora-rank 12: vLLM does not accept it (the next value up is 16)" in err
+
+
 def test_missing_extra_is_named(qwen2: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # what find_spec reports for a module not installed
     err = _usage_error(capsys, [str(qwen2), "--backend", "plain"])
@@ -117,6 +164,7 @@ def test_missing_extra_is_named(qwen2: Path, monkeypatch: pytest.MonkeyPatch, ca
         (["--backend", "fsdp3"], "argument --backend: invalid choice: 'fsdp3'"),
         (["--lora-r", "0"], "argument --lora-r: '0' is not a positive whole number"),
         (["--lora", "q_proj,"], "argument --lora: empty module name in 'q_proj,'"),
+        (["--lora", "q_proj", "--adapter", "--max-lora-rank", "0"], "argument --max-lora-rank: '0' is not a positive"),
     ],
 )
 def test_malformed_arguments_exit_2(qwen2: Path, argv: list[str], message: str, capsys) -> None:

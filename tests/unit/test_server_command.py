@@ -249,7 +249,10 @@ def test_the_cli_refuses_in_one_line(argv: list[str], says: str, capsys: pytest.
 def _vllm_parse(argv: list[str]):  # type: ignore[no-untyped-def]
     """`argv` as the installed vLLM's API server reads it (the CPU server module and `vllm serve` both build their
     parser with `make_arg_parser`), checked as it checks it before loading anything."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    except ImportError:  # the module before vLLM moved it (0.28-0.31)
+        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     if argv[1:3] == ["-m", CPU_SERVER_MODULE]:

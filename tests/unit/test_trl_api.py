@@ -11,9 +11,8 @@ from fsdp_sync.compat.trl_api import MOVE_MODEL_TO_VLLM, VLLM_GENERATION, TRLSyn
 
 
 class _SyncMixin:
-    """Stands in for FSDPVLLMSyncMixin: marked, and defining `_move_model_to_vllm` to override it."""
-
-    _fvs_is_sync_mixin = True
+    """Stands in for FSDPVLLMSyncMixin: defining `_move_model_to_vllm` to override it (passed to `find_sync_target`
+    as the mixin, as the real one passes itself)."""
 
     def _move_model_to_vllm(self) -> None:
         raise AssertionError("not called by find_sync_target")
@@ -61,7 +60,7 @@ def _generation(**attrs: Any) -> SimpleNamespace:
 )
 def test_no_vllm_returns_none(trainer: SimpleNamespace) -> None:
     """A trainer whose args (or itself) do not enable vLLM has no sync target."""
-    assert find_sync_target(trainer) is None
+    assert find_sync_target(trainer, _SyncMixin) is None
 
 
 def test_vllm_generation_colocate() -> None:
@@ -69,7 +68,7 @@ def test_vllm_generation_colocate() -> None:
     llm = object()
     generation = _generation(mode="colocate", llm=llm, enable_sleep_mode=True)
     trainer = SimpleNamespace(args=SimpleNamespace(use_vllm=True), vllm_generation=generation)
-    target = find_sync_target(trainer)
+    target = find_sync_target(trainer, _SyncMixin)
     assert target == TRLSyncTarget(
         entry=VLLM_GENERATION, mode="colocate", llm=llm, client=None, sleep_mode=True, owner=generation
     )
@@ -81,7 +80,7 @@ def test_vllm_generation_server() -> None:
     client = object()
     generation = _generation(mode="server", vllm_client=client)
     trainer = SimpleNamespace(use_vllm=True, vllm_generation=generation)  # flag on the trainer, no args
-    target = find_sync_target(trainer)
+    target = find_sync_target(trainer, _SyncMixin)
     assert target is not None
     assert target.entry == "vllm_generation"
     assert target.mode == "server"
@@ -94,14 +93,14 @@ def test_vllm_generation_without_callable_sync_weights_not_used() -> None:
     """A `vllm_generation` whose `sync_weights` is not callable is not an entry point."""
     trainer = SimpleNamespace(use_vllm=True, vllm_generation=SimpleNamespace(mode="colocate", sync_weights=None))
     with pytest.raises(RuntimeError):
-        find_sync_target(trainer)
+        find_sync_target(trainer, _SyncMixin)
 
 
 def test_vllm_generation_preferred_over_move_model() -> None:
     """When both entries exist, `vllm_generation` is used."""
     generation = _generation(mode="colocate")
     trainer = _OldTRLTrainer(args=SimpleNamespace(use_vllm=True), vllm_generation=generation)
-    target = find_sync_target(trainer)
+    target = find_sync_target(trainer, _SyncMixin)
     assert target is not None
     assert target.entry == VLLM_GENERATION
     assert target.owner is generation
@@ -112,7 +111,7 @@ def test_move_model_to_vllm_trainer() -> None:
     llm, client = object(), object()
     args = SimpleNamespace(use_vllm=True, vllm_mode="server", vllm_enable_sleep_mode=True)
     trainer = _OldTRLTrainer(args=args, vllm_mode="colocate", llm=llm, vllm_client=client)
-    target = find_sync_target(trainer)
+    target = find_sync_target(trainer, _SyncMixin)
     assert target == TRLSyncTarget(
         entry=MOVE_MODEL_TO_VLLM, mode="colocate", llm=llm, client=client, sleep_mode=True, owner=trainer
     )
@@ -122,8 +121,8 @@ def test_move_model_to_vllm_mode_from_args_then_default() -> None:
     """The mode comes from `trainer.vllm_mode`, else `args.vllm_mode`, else "server"."""
     from_args = _OldTRLTrainer(args=SimpleNamespace(use_vllm=True, vllm_mode="colocate"))
     default = _OldTRLTrainer(args=SimpleNamespace(use_vllm=True))
-    target_args = find_sync_target(from_args)
-    target_default = find_sync_target(default)
+    target_args = find_sync_target(from_args, _SyncMixin)
+    target_default = find_sync_target(default, _SyncMixin)
     assert target_args is not None and target_args.mode == "colocate"
     assert target_default is not None and target_default.mode == "server"
     assert target_default.llm is None and target_default.client is None and target_default.sleep_mode is False
@@ -132,7 +131,7 @@ def test_move_model_to_vllm_mode_from_args_then_default() -> None:
 def test_mixin_in_front_of_old_trainer_uses_trainer_method() -> None:
     """With the mixin first in the bases, the trainer base's own `_move_model_to_vllm` is found."""
     trainer = _MixedOld(args=SimpleNamespace(use_vllm=True, vllm_mode="server"))
-    target = find_sync_target(trainer)
+    target = find_sync_target(trainer, _SyncMixin)
     assert target is not None
     assert target.entry == MOVE_MODEL_TO_VLLM
     assert target.owner is trainer
@@ -143,7 +142,7 @@ def test_mixin_only_move_model_raises() -> None:
     trainer = _MixedNew(args=SimpleNamespace(use_vllm=True))
     assert hasattr(trainer, MOVE_MODEL_TO_VLLM)  # present, but only from the mixin
     with pytest.raises(RuntimeError, match="_MixedNew uses vLLM but has neither") as info:
-        find_sync_target(trainer)
+        find_sync_target(trainer, _SyncMixin)
     assert "not supported by FSDPVLLMSyncMixin" in str(info.value)
 
 
@@ -151,7 +150,7 @@ def test_instance_attribute_move_model_not_an_entry() -> None:
     """A `_move_model_to_vllm` set on the instance (not the class) does not count as a trainer method."""
     trainer = SimpleNamespace(use_vllm=True, _move_model_to_vllm=lambda: None)
     with pytest.raises(RuntimeError, match="SimpleNamespace uses vLLM"):
-        find_sync_target(trainer)
+        find_sync_target(trainer, _SyncMixin)
 
 
 def _target(owner: Any) -> TRLSyncTarget:
