@@ -36,6 +36,7 @@ __all__ = [
     "lora_rank_of",
     "main",
     "server_command",
+    "server_command_for",
 ]
 
 COMMAND = "python -m fsdp_sync.server_command"
@@ -324,6 +325,33 @@ def _backend(backend: str | None, *, cpu: bool, adapter: bool, sparse: bool) -> 
         others = [b for b in BACKENDS if wants <= _SERVES[b]]
         raise ValueError(f"backend={backend!r} cannot serve {' and '.join(missing)}: use backend={others[0]!r}")
     return backend
+
+
+def server_command_for(
+    model: str,
+    sync_config: Any = None,
+    *,
+    peft_config: Any = None,
+    trainer_args: Any = None,
+    **choices: Any,
+) -> ServerCommand:
+    """`server_command` from the objects a training script already holds: the `SyncConfig` (its `sparse` and
+    `adapter`), the PEFT config given to the trainer (the adapter's rank), the trainer's config (TRL's
+    `AsyncGRPOConfig`: `max_staleness` sets the adapter versions kept; any other: one). `choices` are
+    `server_command`'s other arguments (device, tensor/data parallel sizes, dtype, host, port, ...).
+
+    NOTE: `SyncConfig(adapter=None)` (the default) syncs adapters where the server serves LoRA and merges elsewhere;
+    the command asks for adapter syncs only where `adapter=True`, which the trainer then requires.
+    """
+    sparse = bool(getattr(sync_config, "sparse", False))
+    adapter = getattr(sync_config, "adapter", None) is True
+    if adapter:
+        if peft_config is None:
+            raise ValueError("SyncConfig(adapter=True) needs the PEFT config the trainer is given (peft_config=)")
+        choices.setdefault("lora_rank", lora_rank_of(peft_config))
+        staleness = getattr(trainer_args, "max_staleness", None)
+        choices.setdefault("kept_versions", kept_versions_for(int(staleness)) if staleness is not None else 1)
+    return server_command(model, sparse=sparse, adapter=adapter, **choices)
 
 
 # --- the command line ---

@@ -84,12 +84,17 @@ class ServerLayout:
         if not self.transport.carries_patches:
             return (
                 f"the server's {self.backend!r} weight-transfer backend takes whole tensors; sparse syncs to a server "
-                "use this package's 'gloo' backend (vLLM's sparse_nccl backend is not driven yet)"
+                "use this package's 'gloo' backend (vLLM's sparse_nccl backend is not driven yet): restart it with "
+                "--weight-transfer-config '{\"backend\": \"gloo\"}' and FSDP_VLLM_SYNC_SPARSE=1 "
+                "(python -m fsdp_sync.server_command --sparse prints the command)"
             )
         try:
             self._checksums()
         except ServerRouteMissing as e:
-            return f"{e}, so it cannot say which of its weights can be patched in place (vLLM >= 0.32)"
+            return (
+                f"{e}, so it cannot say which of its weights can be patched in place: serve with vLLM 0.32 or newer "
+                "for sparse syncs"
+            )
         return None
 
     def _checksums(self) -> dict[str, str]:

@@ -314,3 +314,27 @@ def test_what_each_backend_serves_is_what_the_server_writers_transports_declare(
         assert ("a CPU server" in serves) == (not transport.requires_cuda), name
         assert ("adapter syncs" in serves) == transport.carries_adapters, name
         assert ("sparse syncs" in serves) == transport.carries_patches, name
+
+
+def test_the_command_from_a_training_scripts_own_objects() -> None:
+    """`server_command_for`: the `SyncConfig`, the PEFT config and TRL's async config as a script holds them give the
+    same command as the explicit choices (the async trainer's default `max_staleness` keeps 5 versions)."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig
+
+    from fsdp_sync import SyncConfig
+    from fsdp_sync.server_command import server_command_for
+
+    lora = LoraConfig(r=8, rank_pattern={"v_proj": 16}, target_modules=["q_proj", "v_proj"])
+    async_args = SimpleNamespace(max_staleness=4)
+    got = server_command_for("DIR", SyncConfig(adapter=True), peft_config=lora, trainer_args=async_args, device="cpu")
+    assert got == server_command("DIR", device="cpu", adapter=True, lora_rank=16, kept_versions=5)
+    assert server_command_for("DIR", SyncConfig(sparse=True), device="cpu") == server_command(
+        "DIR", device="cpu", sparse=True
+    )
+    assert server_command_for("DIR", SyncConfig(adapter=True), peft_config=lora, device="cpu").env.get(
+        "FSDP_VLLM_SYNC_ADAPTER_VERSIONS"
+    ) is None  # GRPOTrainer: one version
+    with pytest.raises(ValueError, match="peft_config"):
+        server_command_for("DIR", SyncConfig(adapter=True), device="cpu")
