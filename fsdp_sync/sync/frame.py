@@ -234,8 +234,8 @@ class SyncFrame:
         engine = pushed.engine
         if engine is None or outcome == _NO_ENGINE:
             return engine
-        if outcome == _LANDED:
-            return dataclasses.replace(engine, version=self._served(), note="the sync committed here")
+        if outcome == _LANDED:  # every rank had agreed on the push (and verify): all of it is what is served
+            return EngineState("current", version=self._served(), note="the sync committed here")
         return EngineState(
             engine.status,
             engine.previous,

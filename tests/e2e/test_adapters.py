@@ -41,7 +41,8 @@ def _check(result, backend: str, *, colocated: bool) -> None:
         assert r["error"] is None, r["error"]
         assert r["global_step"] == STEPS
         assert r["wrapper"][WRAPPER_FLAG[backend]], r["wrapper"]
-        checks, reports = r["checks"], r["reports"]
+        # the syncs that succeeded (a job with a fault also has failed ones, checked by its test)
+        checks, reports = r["checks"], [rep for rep in r["reports"] if rep["ok"]]
         assert len(checks) == len(reports) >= STEPS
         for i, (check, report) in enumerate(zip(checks, reports, strict=True)):
             assert check["wrapper"][WRAPPER_FLAG[backend]]
@@ -105,7 +106,11 @@ def test_adapter_syncs_into_a_server_over_the_transfer(
     backend: str, lora_server: VLLMServerProcess, checkpoints, tmp_path
 ) -> None:
     """Server mode: rank 0 sends the adapter over the gloo transfer (no shared disk); the server's plugin builds it
-    in its LoRA manager and serves it to the next request naming it (TRL's client asks by the adapter's name)."""
+    in its LoRA manager and serves it to the next request naming it (TRL's client asks by the adapter's name).
+
+    With a corrupted version: the adapter of sync 1 (version 2) has its bytes changed on gloo's wire, from outside
+    the library (`--corrupt-adapter 1`): `verify` fails it, it is never served, requests stay on v1
+    (`_corrupted_version_never_served`, the colocated case's twin, in this job to spare CI a server job)."""
     result = run_grpo(
         checkpoints("qwen2"),
         tmp_path,
@@ -123,8 +128,11 @@ def test_adapter_syncs_into_a_server_over_the_transfer(
         "--group-port",
         str(free_port()),
         "--verify",
+        "--corrupt-adapter",
+        "1",
     )
     _check(result, backend, colocated=False)
+    _corrupted_version_never_served(result, backend, colocated=False)
     _only_kept_versions_are_served(lora_server, last=result.ranks[0]["reports"][-1]["adapter_id"])
 
 
@@ -193,30 +201,26 @@ def test_async_trainer_pushes_each_adapter_version_its_rollout_worker_asks_for(
     _only_kept_versions_are_served(lora_server, last=steps + 1)
 
 
-@pytest.mark.parametrize("mode", ["colocate-fsdp1", "server-fsdp2"])
-def test_a_corrupted_adapter_is_never_served_and_requests_stay_on_the_verified_version(
-    mode: str, checkpoints, tmp_path, request: pytest.FixtureRequest
-) -> None:
-    """Publish last (issue 47), with `SyncConfig(verify=True)`: the adapter of sync 1 (version 2) reaches rank 0's
-    engine changed, injected from outside the library (colocated: vLLM's LoRA manager registers it with a `lora_b`
-    moved by 1; a server: its bytes change on gloo's wire). The sync fails on every rank, naming the tensor and rank
-    0's verify, not landed, the error naming the version generation is still served (v1). Right after the failure
-    (rank 0, `fsdp_sync._demo.grpo_job.probe_after_failure`): the trainer's requests name v1, generation with them
-    answers exactly as after the last verified sync, and the failed version cannot be asked for (colocated: vLLM
-    holds only v1; a server: 404 for it, `/v1/models` lists v1 alone (the run's first publish retired the versions
-    an earlier job left on the shared server), healthy). The next sync loads v2 again, whole,
-    and from then on every engine adapter is the trainer's, its logprobs PEFT's merge's."""
-    colocated = mode.startswith("colocate")
-    backend = mode.split("-")[1]
-    server = []
-    if not colocated:  # the session's LoRA server (started only where a test asks for it)
-        url = request.getfixturevalue("lora_server").base_url
-        server = ["--vllm-mode", "server", "--server-url", url, "--group-port", str(free_port())]
+def test_a_corrupted_adapter_is_never_served_and_requests_stay_on_the_verified_version(checkpoints, tmp_path) -> None:
+    """Publish last (issue 47), colocated, FSDP1, `SyncConfig(verify=True)`: the adapter of sync 1 (version 2)
+    reaches rank 0's engine changed, injected from outside the library (vLLM's LoRA manager registers it with a
+    `lora_b` moved by 1). The server-mode twin runs in `test_adapter_syncs_into_a_server_over_the_transfer`."""
     result = run_grpo(
-        checkpoints("qwen2"), tmp_path, backend, "--peft", "--adapter", "--perturb", "0", "--steps", str(STEPS),
-        "--verify", "--corrupt-adapter", "1", *server,
+        checkpoints("qwen2"), tmp_path, "fsdp1", "--peft", "--adapter", "--perturb", "0", "--steps", str(STEPS),
+        "--verify", "--corrupt-adapter", "1",
     )  # fmt: skip
-    assert result.returncode == 0, result.log[-6000:]
+    _check(result, "fsdp1", colocated=True)
+    _corrupted_version_never_served(result, "fsdp1", colocated=True)
+
+
+def _corrupted_version_never_served(result, backend: str, *, colocated: bool) -> None:
+    """After `--corrupt-adapter 1`: the sync fails on every rank, naming the tensor and rank 0's verify, not
+    landed, the error naming the version generation is still served (v1). Right after the failure (rank 0,
+    `fsdp_sync._demo.grpo_job.probe_after_failure`): the trainer's requests name v1, generation with them answers
+    exactly as after the last verified sync, and the failed version cannot be asked for (colocated: vLLM holds only
+    v1; a server: 404 for it, `/v1/models` lists v1 alone (the run's first publish retired the versions an earlier
+    job left on the shared server), healthy). The next sync loads v2 again, whole, and from then on every engine
+    adapter is the trainer's, its logprobs PEFT's merge's (`_check`)."""
     for r in result.ranks:
         assert r["error"] is None and r["wrapper"][WRAPPER_FLAG[backend]], r["error"]
         (failed,) = r["failed_syncs"]
@@ -230,11 +234,6 @@ def test_a_corrupted_adapter_is_never_served_and_requests_stay_on_the_verified_v
         ok = [rep for rep in r["reports"] if rep["ok"]]
         # versions move only after a sync that succeeded: the failed one's number is loaded again by the next sync
         assert [rep["adapter_id"] for rep in ok] == list(range(1, len(ok) + 1)) and len(ok) >= STEPS, ok
-        workers = 1 if colocated else r["checks"][0]["workers"]
-        assert all(rep["verified"] == (8 * workers if colocated or r["rank"] == 0 else 0) for rep in ok), ok
-        assert len(r["checks"]) == len(ok)
-        for check in r["checks"]:
-            assert check["adapter_problems"] == [] and check["logits_problems"] == [], check
     probe = result.ranks[0]["failed_syncs"][0]["probe"]
     assert probe["request"] == "fsdp-vllm-sync-v1" and probe["failed_name"] == "fsdp-vllm-sync-v2", probe
     assert probe["same_as_last_verified"], probe
