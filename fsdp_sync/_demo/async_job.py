@@ -56,13 +56,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="make this sync (1-based) fail on the last rank (its gather raises), then sync again by hand",
     )
     p.add_argument(
-        "--late-fault-at",
-        type=int,
-        default=None,
-        help="make this sync (1-based) fail on the last rank inside the push's outcome agreement (after the server's "
-        "weights were written), then sync again by hand",
-    )
-    p.add_argument(
         "--barrier-fault",
         action="append",
         default=[],
@@ -177,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             import requests
 
             sync_index["n"] += 1
-            faulted = {args.fault_at: "gather.prepare", args.late_fault_at: "agree.outcome"}.get(sync_index["n"])
+            faulted = "gather.prepare" if sync_index["n"] == args.fault_at else None
             outside = sync_index["n"] in {int(spec.split(":")[0]) for spec in args.barrier_fault}
             # Read from outside the library: the server's weight version and the rollout worker's (main process).
             version_before = requests.get(f"{args.server_url}/weight_info", timeout=30).json()["weight_version"]

@@ -765,8 +765,7 @@ class Injections:
         specs: `--inject` entries.
         rank, world: this rank and the number of ranks.
         soak, seed: `--soak` faults drawn from `SOAK_POINTS` (the same plan on every rank).
-        tamper: `--tamper-engine NAME:SYNC` (rank 0 changes an engine weight after its push, at `verify`; NAME
-            `adapter:<module>.lora_a`: that tensor of the adapter its LoRA manager holds).
+        tamper: `--tamper-engine NAME:SYNC` (rank 0 changes an engine weight after its push, at `verify`).
         kill: `(victim pid or -own pid, sync, tensor)`: SIGKILL at that tensor of that sync (rank 0).
     """
 
@@ -835,11 +834,7 @@ class Injections:
             import torch
 
             with torch.no_grad():
-                name = self.tamper[0]
-                if name.startswith("adapter:"):
-                    _held_adapter_tensor(self.trainer, name.removeprefix("adapter:")).add_(1)
-                else:
-                    _engine_model(self.trainer).get_parameter(name).add_(1)
+                _engine_model(self.trainer).get_parameter(self.tamper[0]).add_(1)
         armed = self.plan.get(self.sync)
         if armed is None or armed[0] != point or self.rank not in armed[2]:
             return False
@@ -851,16 +846,6 @@ class Injections:
         if where.isdigit():
             return n == int(where)
         return context.get("name") == where
-
-
-def _held_adapter_tensor(trainer: Any, key: str) -> Any:
-    """The tensor `key` (`<module>.lora_a`) of the adapter the colocated engine's LoRA manager holds for the version
-    just loaded: the object generation reads, not a copy."""
-    from fsdp_sync.compat.engine_api import engine_handle
-    from fsdp_sync.compat.lora_api import held_adapter, served_lora_tensors
-
-    lora, packed = held_adapter(engine_handle(_engine(trainer)).worker, trainer.adapter_request.lora_int_id)
-    return served_lora_tensors(lora, packed)[key]
 
 
 def probe_after_failure(trainer: Any, checker: Any, server_url: str | None) -> dict[str, Any]:
