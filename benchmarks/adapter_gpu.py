@@ -150,7 +150,7 @@ def _module_of(peft_name: str) -> tuple[str, str]:
     return ".".join(parts[2:-2]), which
 
 
-def _refusals_without_vllm(config: Mapping[str, Any], limits: Any) -> list[str]:
+def _refusals_without_vllm(config: Mapping[str, Any], limits: Any, server: bool | None = None) -> list[str]:
     """vLLM's own checks of an adapter config (`PEFTHelper`), for a machine without vLLM: DoRA, LoRA bias, ranks.
 
     NOTE: benchmark-side only, where `vllm` cannot be imported (the GPU machine's image): the adapter sync asks vLLM's
