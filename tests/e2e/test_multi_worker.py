@@ -62,20 +62,31 @@ def _verified_on_every_worker(ranks: list[dict]) -> None:
     assert all(rep["verified"] == 0 for r in ranks[1:] for rep in r["reports"])
 
 
-def _check_live_server(url: str, model_dir, tmp_path, workers: list[str], capsys) -> None:
-    """`python -m fsdp_sync.server_check` (issue 49), as a user runs it against a live multi-worker server, before
-    any sync: the server's checkpoint passes, every weight of every worker compared (each tensor-parallel worker by its
-    cut); a copy of it with one tensor changed fails, the tensor named on every worker that holds part of it."""
+def _check_live_server(url: str, model_dir, tmp_path, workers: list[str]) -> None:
+    """`python -m fsdp_sync.server_check` (issue 49), run as a user runs it (a process of its own: its imports stay
+    out of this test process, whose environment the fork server's jobs must keep) against a live multi-worker server,
+    before any sync: the server's checkpoint passes, every weight of every worker compared (each tensor-parallel
+    worker by its cut); a copy of it with one tensor changed fails, the tensor named on every worker that holds part
+    of it."""
+    import re
     import shutil
+    import subprocess
+    import sys
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    from fsdp_sync.server_check import check_server_weights, main
+    def check(weights) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "fsdp_sync.server_check", "--server", url, "--weights", str(weights)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
 
-    assert main(["--server", url, "--weights", str(model_dir)]) == 0, capsys.readouterr()
-    result = check_server_weights(url, str(model_dir))
-    assert result.checked >= 16 * len(workers) and not result.mismatched and not result.unverifiable, result
+    passed = check(model_dir)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    checked = int(re.search(r"^checked: (\d+) ", passed.stdout, re.M).group(1))
+    assert checked >= 16 * len(workers) and "DIFFERS" not in passed.stdout, passed.stdout
+    assert "unverifiable" not in passed.stdout, passed.stdout
     changed = tmp_path / "changed"
     shutil.copytree(model_dir, changed)
     (weights,) = sorted(changed.glob("*.safetensors"))
@@ -83,18 +94,15 @@ def _check_live_server(url: str, model_dir, tmp_path, workers: list[str], capsys
     name = "model.layers.1.mlp.down_proj.weight"
     tensors[name] = tensors[name] + torch.ones_like(tensors[name])
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    capsys.readouterr()
-    assert main(["--server", url, "--weights", str(changed)]) == 1
-    out = capsys.readouterr().out
-    differs = [line for line in out.splitlines() if line.startswith("DIFFERS: ")]
-    assert len(differs) == len(workers) and all(name in line for line in differs), out
-    assert sorted(w for w in workers if any(w in line for line in differs)) == sorted(workers), out
+    failed = check(changed)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    differs = [line for line in failed.stdout.splitlines() if line.startswith("DIFFERS: ")]
+    assert len(differs) == len(workers) and all(name in line for line in differs), failed.stdout
+    assert sorted(w for w in workers if any(w in line for line in differs)) == sorted(workers), failed.stdout
 
 
-def test_a_user_checks_the_live_tensor_parallel_server(
-    tp2_server: VLLMServerProcess, checkpoints, tmp_path, capsys
-) -> None:
-    _check_live_server(tp2_server.base_url, checkpoints("qwen2"), tmp_path, TP2_WORKERS, capsys)
+def test_a_user_checks_the_live_tensor_parallel_server(tp2_server: VLLMServerProcess, checkpoints, tmp_path) -> None:
+    _check_live_server(tp2_server.base_url, checkpoints("qwen2"), tmp_path, TP2_WORKERS)
 
 
 def test_complete_then_sparse_syncs_into_a_tensor_parallel_server(
@@ -137,10 +145,8 @@ def test_async_trainer_staged_syncs_into_a_tensor_parallel_server(
     _async_staged(tp2_server, checkpoints("qwen2"), tmp_path, "fsdp2", TP2_WORKERS)
 
 
-def test_a_user_checks_the_live_data_parallel_server(
-    dp2_server: VLLMServerProcess, checkpoints, tmp_path, capsys
-) -> None:
-    _check_live_server(dp2_server.base_url, checkpoints("qwen2"), tmp_path, DP2_WORKERS, capsys)
+def test_a_user_checks_the_live_data_parallel_server(dp2_server: VLLMServerProcess, checkpoints, tmp_path) -> None:
+    _check_live_server(dp2_server.base_url, checkpoints("qwen2"), tmp_path, DP2_WORKERS)
 
 
 def test_complete_then_delta_syncs_into_a_data_parallel_server(
