@@ -21,10 +21,12 @@ Floor of the adapter sync: one device-to-device copy of the adapter's bytes at t
 
 from __future__ import annotations
 
+import contextlib
 import math
+import shutil
 import statistics
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -183,13 +185,18 @@ def adapter_gpu_worker(rank: int, world_size: int, model_name: str, reps: int) -
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     rate = _copy_rate(device)
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as checkpoint:
+    with _shared_directory(rank) as checkpoint:
+        saved = False
         for targets in TARGETS:
             for backend in ("fsdp1", "fsdp2"):
                 base = _base_model(model_name, None, device)
-                if not any(Path(checkpoint).glob("*.safetensors")):
-                    # The engine's checkpoint: the trainer's base (seeded, the same for every configuration).
-                    base.save_pretrained(checkpoint, max_shard_size="100GB")
+                if not saved:
+                    # The engine's checkpoint: the trainer's base (seeded, the same on every rank and for every
+                    # configuration), written once by rank 0 for every rank of the host.
+                    if rank == 0:
+                        base.save_pretrained(checkpoint, max_shard_size="100GB")
+                    _barrier()
+                    saved = True
                 specs = {n: TensorSpec(tuple(p.shape), p.dtype) for n, p in base.named_parameters()}
                 writer = LoRABuffersWriter(specs, dtype=torch.bfloat16, device=device, checkpoint=checkpoint)
                 wrapped = _wrap(_peft_model(base, TARGETS[targets]), backend, device)
@@ -198,6 +205,30 @@ def adapter_gpu_worker(rank: int, world_size: int, model_name: str, reps: int) -
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return rows
+
+
+@contextlib.contextmanager
+def _shared_directory(rank: int) -> Iterator[str]:
+    """One temporary directory for every rank of this host (made by rank 0, its name broadcast; removed by rank 0
+    once every rank is done with it)."""
+    import torch.distributed as dist
+
+    made = [tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)] if rank == 0 else [None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(made, src=0)
+    try:
+        yield str(made[0])
+    finally:
+        _barrier()
+        if rank == 0:
+            shutil.rmtree(str(made[0]), ignore_errors=True)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _measure(
@@ -215,6 +246,7 @@ def _measure(
     """The three methods on one wrapped PEFT model and engine, interleaved over `reps` repetitions."""
     from fsdp_sync.assemble import build_sync
     from fsdp_sync.config import SyncConfig
+    from fsdp_sync.report import DeltaFigures
     from fsdp_sync.sync.adapter import AdapterSync
 
     syncs = {
@@ -230,7 +262,7 @@ def _measure(
     def run(name: str) -> tuple[int, int]:
         report = syncs[name].sync()
         if name == "merged-delta":
-            check_seconds.append(report.check_seconds)
+            check_seconds.append(report.figure(DeltaFigures).check_seconds)
         return report.tensors, report.bytes
 
     rows: list[dict[str, Any]] = []

@@ -2,11 +2,11 @@
 with the mixin and with TRL's own sync, side by side in one run.
 
 Per model: one real vLLM CPU server (gloo weight transfer), and the real `AsyncGRPOTrainer` with its rollout worker
-generating on it, 2 gloo ranks under FSDP2 (`fsdp_sync._demo.async_job`), alternately:
+generating on it, 2 gloo ranks under FSDP2 (`tests.support.async_job`), alternately:
 - `ours`: `class Trainer(FSDPVLLMSyncMixin, AsyncGRPOTrainer)`: gathers, checks and bytes on the wire while the
   server generates; the server paused for the write alone (staged gloo rounds);
 - `trl`: TRL 1.16's own `_sync_weight` (pause, barrier, `_streaming_iter`: one `full_tensor()` per parameter, in the
-  trainer's dtype, resume), through a gloo stand-in for its NCCL client (`fsdp_sync._demo.stock_async`).
+  trainer's dtype, resume), through a gloo stand-in for its NCCL client (`tests.support.stock_async`).
 Each job syncs at train begin and after every step; the first sync of each job (cold: the handshake, and a complete
 sync for ours) is reported apart from the rest. `sync` is the trainer's whole `_sync_weight` call as rank 0 sees it,
 `paused` the time from the pause request to the resume answer (what the rollout worker sees).
@@ -25,12 +25,12 @@ METHODS = ("ours", "trl")
 
 
 def _job(model_dir: Path, out: Path, url: str, steps: int, stock: bool) -> dict[str, Any]:
-    from fsdp_sync._demo.dist import free_port
-    from fsdp_sync._demo.launch import launch_job
+    from tests.support.dist import free_port
+    from tests.support.launch import launch_job
 
     args = ["--model-dir", str(model_dir), "--out-dir", str(out), "--server-url", url, "--group-port",
             str(free_port()), "--steps", str(steps), "--lr", "1e-3", *(["--stock"] if stock else [])]  # fmt: skip
-    result = launch_job("fsdp_sync._demo.async_job", args, out, backend="fsdp2", timeout=1800)
+    result = launch_job("tests.support.async_job", args, out, backend="fsdp2", timeout=1800)
     if result.returncode != 0 or not result.ranks or "fatal" in result.ranks[0]:
         raise RuntimeError(f"the {'trl' if stock else 'ours'} async job failed:\n{result.log[-4000:]}")
     return result.ranks[0]

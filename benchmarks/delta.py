@@ -130,6 +130,7 @@ def _measure(
     """The methods on one wrapped PEFT model, interleaved over `reps` repetitions."""
     from fsdp_sync.assemble import build_sync
     from fsdp_sync.config import SyncConfig
+    from fsdp_sync.report import DeltaFigures
 
     syncs = {
         "ours-complete": build_sync(wrapped, writer, SyncConfig(delta=False), device=device),
@@ -144,8 +145,9 @@ def _measure(
     def run(name: str) -> tuple[int, int]:
         report = syncs[name].sync()
         if name == "ours-delta":
-            check_seconds.append(report.check_seconds)
-            skipped_bytes.append(report.skipped_bytes)
+            figures = report.figure(DeltaFigures)
+            check_seconds.append(figures.check_seconds)
+            skipped_bytes.append(figures.skipped_bytes)
         return report.tensors, report.bytes
 
     methods = {name: (lambda n=name: run(n)) for name in syncs}

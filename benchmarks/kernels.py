@@ -63,7 +63,8 @@ def _check_rows(model_name: str, shapes: dict[str, tuple[int, ...]], reps: int, 
     """The delta check over what a LoRA q/v delta sync skips (everything but each layer's q, k and v)."""
     from fsdp_sync.compat.engine_api import EngineNaming
     from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
-    from fsdp_sync.sync.delta import DeltaTracker, EngineGroups, _fingerprint
+    from fsdp_sync.sync.delta import DeltaTracker, EngineGroups
+    from fsdp_sync.sync.fingerprint import _fingerprint
 
     from .buffers import VLLM_PACKED, _fused_name
 

@@ -4,7 +4,7 @@
 
 Side by side in one run, alternating:
 - an end-to-end GRPO job (the tiny Qwen2 of the e2e suite, FSDP2, 2 CPU ranks, the bit-exact engine check on, 2 steps)
-  started by `accelerate launch` (fresh interpreters) and forked from the fork server (`fsdp_sync/_demo/prefork.py`),
+  started by `accelerate launch` (fresh interpreters) and forked from the fork server (`tests/support/prefork.py`),
   its colocated engine compiled, and forked with the engine eager (`JOB_METHODS`): CPU seconds of every process of
   the job, and wall seconds;
 - a distributed test's ranks (`run_distributed`, 2 ranks, a function that imports the test module they unpickle
@@ -49,9 +49,9 @@ def _children_cpu() -> float:
 
 def job_rows(reps: int) -> list[dict[str, Any]]:
     """`reps` GRPO jobs each way, alternating."""
-    from fsdp_sync._demo.launch import launch_env
+    from tests.support.launch import launch_env
     from fsdp_sync._demo.models import build_tiny_checkpoint
-    from fsdp_sync._demo.prefork import PREFORK_ENV, PreforkServer
+    from tests.support.prefork import PREFORK_ENV, PreforkServer
     from tests.e2e.helpers import run_grpo
 
     rows = []
@@ -87,7 +87,7 @@ def job_rows(reps: int) -> list[dict[str, Any]]:
 
 def rank_rows(reps: int) -> list[dict[str, Any]]:
     """`reps` two-rank `run_distributed` calls each way, alternating; each rank's CPU seconds at its end."""
-    import fsdp_sync._demo.dist as dist
+    import tests.support.dist as dist
 
     rows = []
     for rep in range(reps):

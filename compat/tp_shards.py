@@ -25,11 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SHARD_RULES_METHOD", "ShardRule", "expected_shard", "shard_rule", "shard_rules", "worker_shard_rules"]
-
-# The worker method (on vLLM's `WorkerBase`, added by this package's gloo backend and by the test servers) that
-# answers `worker_shard_rules` through `/collective_rpc`.
-SHARD_RULES_METHOD = "fsdp_vllm_sync_shard_rules"
+__all__ = ["ShardRule", "expected_shard", "shard_rule", "shard_rules"]
 
 # A JSON-able description of one worker's cut of one engine parameter:
 #   {"dim": None} whole;
@@ -112,10 +108,3 @@ def shard_rules(model: torch.nn.Module) -> dict[str, ShardRule | None]:
             rules[f"{module_name}.{leaf}" if module_name else leaf] = shard_rule(module, param)
     return rules
 
-
-def worker_shard_rules(worker: Any) -> dict[str, Any]:
-    """`SHARD_RULES_METHOD`: this worker's cut of every weight (`shard_rules`), tagged as its digests are
-    (`engine_api.worker_tag`)."""
-    from .engine_api import worker_tag
-
-    return {"worker": worker_tag(worker), "rules": shard_rules(worker.model_runner.get_model())}

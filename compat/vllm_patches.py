@@ -39,9 +39,9 @@ opened (`engine_api.engine_handle`, the `gloo` worker) or around a reload, never
   writer and the `gloo` worker. A server on vLLM's own NCCL backend (TRL's async trainer's default) reloaded gpt-oss
   stale. Installed by the plugin in every vLLM process where this package is installed, it wraps vLLM's
   `WeightTransferEngineFactory.create_engine` so that every engine it makes, whatever its backend, applies both
-  fixes to its model before each update, and gives the workers a method that says so (`ENGINE_FIXES_METHOD`,
-  reached through `/collective_rpc`), which the trainer asks before refusing a gpt-oss push over NCCL. vLLM
-  0.28-0.34 (the factory is unchanged there). Can go with the two fixes it carries.
+  fixes to its model before each update; the workers then say so (`applied_engine_fixes`, the trainer's question
+  `engine_fixes` in `fsdp_sync.transfer.questions`), which the trainer asks before refusing a gpt-oss push over
+  NCCL. vLLM 0.28-0.34 (the factory is unchanged there). Can go with the two fixes it carries.
 - `quiet_partial_reload`: vLLM's per-layer warnings for layers a delta sync leaves out on purpose. 0.28-0.34 (the
   `reload.layerwise` / `reload.inplace` loggers). Can go when vLLM stops warning for layers given nothing; if the
   loggers are renamed it filters nothing (harmless).
@@ -63,7 +63,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ENGINE_FIXES_METHOD",
+    "applied_engine_fixes",
     "fix_every_weight_transfer_engine",
     "keep_cpu_linear_weights",
     "keep_mla_kv_b_proj_weights",
@@ -319,23 +319,20 @@ def _through_weight_loaders(
             yield name, tensor
 
 
-# The worker method `fix_every_weight_transfer_engine` adds: the names of the fixes every weight-transfer engine of
-# that worker applies (a trainer asks it through the server's `/collective_rpc` development route).
-ENGINE_FIXES_METHOD = "fsdp_vllm_sync_engine_fixes"
+# The fixes `fix_every_weight_transfer_engine` makes every weight-transfer engine apply, by name.
 ENGINE_FIXES = ("keep_moe_experts_processed_on_reload", "load_gpt_oss_through_weight_loaders")
 _ENGINES_FIXED = False
 
 
 def fix_every_weight_transfer_engine() -> bool:
     """Make every weight-transfer engine vLLM's factory builds in this process apply the reload fixes to its model
-    before each update, and give the workers `ENGINE_FIXES_METHOD` (idempotent). Returns whether it is installed;
-    False on a vLLM without the weight-transfer API."""
+    before each update (idempotent). Returns whether it is installed; False on a vLLM without the weight-transfer
+    API."""
     global _ENGINES_FIXED
     if _ENGINES_FIXED:
         return True
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-        from vllm.v1.worker.worker_base import WorkerBase
     except ImportError:
         return False
     create = WeightTransferEngineFactory.__dict__["create_engine"].__func__
@@ -355,9 +352,14 @@ def fix_every_weight_transfer_engine() -> bool:
         return engine
 
     WeightTransferEngineFactory.create_engine = classmethod(create_engine)  # type: ignore[method-assign]
-    setattr(WorkerBase, ENGINE_FIXES_METHOD, lambda worker: list(ENGINE_FIXES))
     _ENGINES_FIXED = True
     return True
+
+
+def applied_engine_fixes() -> tuple[str, ...]:
+    """The reload fixes every weight-transfer engine of this process applies: `ENGINE_FIXES` once
+    `fix_every_weight_transfer_engine` is installed, none before (what a server's workers answer the trainer)."""
+    return ENGINE_FIXES if _ENGINES_FIXED else ()
 
 
 def unfixed_reload_gaps(architectures: Iterable[str], names: Iterable[str]) -> dict[str, str]:

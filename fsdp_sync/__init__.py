@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 # Public name -> the submodule that defines it.
 _EXPORTS: dict[str, str] = {
+    "AdapterFigures": "report",
     "Backend": "backend",
     "ColocateWriter": "writers",
+    "DeltaFigures": "report",
     "EnginePushError": "writers",
     "EngineState": "errors",
     "EngineWriter": "writers",
@@ -32,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "ServerTransportError": "writers.server",
     "ServerUnavailableError": "server_client",
     "ServerWriter": "writers",
+    "SparseFigures": "report",
     "SyncConfig": "config",
     "SyncError": "errors",
     "SyncPlan": "sync.stream",
@@ -71,7 +74,7 @@ if TYPE_CHECKING:
     from .peft_merge import PeftMerge, UnsupportedAdapterError
     from .sync.pipeline import WeightSync
     from .sync.stream import IncompleteSyncError, SyncPlan
-    from .report import SyncReport
+    from .report import AdapterFigures, DeltaFigures, SparseFigures, SyncReport
     from .server_client import ServerConfigError, ServerNoAnswerError, ServerRouteMissing, ServerUnavailableError
     from .writers import ColocateWriter, EnginePushError, EngineWriter, ServerWriter
     from .writers.server import ServerPushError, ServerResumeError, ServerTransportError

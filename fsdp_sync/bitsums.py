@@ -1,6 +1,6 @@
 """The delta check's fingerprint on a GPU in one pass: three int64 sums over a tensor's bits, for many tensors.
 
-Why a kernel of our own: the fingerprint (`fsdp_sync.sync.delta`) is sum(x_j), sum((j mod P) x_j) and
+Why a kernel of our own: the fingerprint (`fsdp_sync.sync.fingerprint`) is sum(x_j), sum((j mod P) x_j) and
 sum((j // P) x_j) over the tensor's bits as int64 words. In torch that is two reductions over a (rows, P) view
 plus about eight small launches per tensor: at 7B shapes with LoRA on q/v the check read the 14.3 GB of skipped
 weights in about 50 ms on an H200, against 3-4 ms for one read of those bytes; one Triton launch per tensor took

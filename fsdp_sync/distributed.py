@@ -11,6 +11,11 @@ Every collective of a sync is called through `collective`, under a name declared
 (tests/unit/test_guarded_collectives.py fails on a `torch.distributed` collective called anywhere else). Those on the
 sync's own groups run inside `Coordinator.run` (or its agreements), where a raise on one rank destroys the groups for
 every rank: the others, inside the same or the next control collective, fail at once instead of at a timeout.
+
+Why one file (over 500 lines): the control groups, the `Coordinator` that runs every agreement and status round on
+them, and `Rounds` (one sync's side of those rounds) are one failure protocol: how the groups are aborted and rebuilt,
+and the failure a rank leaves in the store, is what every agreement and round reads when a collective raises. Apart,
+each part would reach into the others' private state (`_ControlGroups`, `_Round`).
 """
 
 from __future__ import annotations

@@ -2,14 +2,15 @@
 
 The figures every sync has live on `SyncReport` itself; each mode adds its own typed figures (`DeltaFigures`,
 `SparseFigures`, `AdapterFigures`), which its selection policy makes (`SelectionPolicy.report`), so the pipeline that
-builds the report knows no mode. A mode's figure reads as an attribute of the report (`report.patch_bytes`), with the
-figure's default where the sync ran in another mode.
+builds the report knows no mode. A mode's figures are read through their type (`report.figure(SparseFigures)`, None
+where the sync ran in another mode); what every sync has an answer to (`complete`, `sparse`) is a property of the
+report; `as_dict` holds every mode's figures flat, at their defaults where the mode did not run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 __all__ = ["AdapterFigures", "DeltaFigures", "Figures", "SparseFigures", "SyncReport"]
 
@@ -126,9 +127,10 @@ class AdapterFigures:
         return f" (adapter {self.adapter_id}: {self.adapter_tensors} LoRA tensors, base untouched)"
 
 
-# Every mode's figures: a report reads a figure of a mode that did not run as that figure's default.
-_KINDS: tuple[type, ...] = (DeltaFigures, SparseFigures, AdapterFigures)
-_DEFAULTS: dict[str, Any] = {f.name: f.default for kind in _KINDS for f in fields(kind)}
+# Every mode's figures, in the order `SyncReport.as_dict` lists them (at their defaults where the mode did not run).
+_KINDS: tuple[type[DeltaFigures | SparseFigures | AdapterFigures], ...] = (DeltaFigures, SparseFigures, AdapterFigures)
+
+_F = TypeVar("_F", bound=Figures)
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,7 @@ class SyncReport:
         verified: with `SyncConfig(verify=True)`: engine weights whose digest matched what was sent.
         unverifiable: with `verify`: engine weights that could not be compared (named in the logs).
         verify_seconds: with `verify`: time spent on digests, trainer and engine side (not in `seconds`).
-        figures: the mode's own figures (`DeltaFigures`, `SparseFigures`, `AdapterFigures`), each readable as
-            attributes of the report.
+        figures: the mode's own figures (`DeltaFigures`, `SparseFigures`, `AdapterFigures`), read with `figure`.
     """
 
     seconds: float
@@ -175,23 +176,21 @@ class SyncReport:
         """The record of a sync that raised."""
         return cls(0.0, 0, 0, 0, "", backend, strategy, writer, ok=False, engine=engine, error=f"{type(error).__name__}: {error}")
 
-    def __getattr__(self, name: str) -> Any:
-        # NOTE: only reached for names that are not the report's own: a mode's figure, or its default.
-        if name.startswith("__") or name not in _DEFAULTS:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        for figures in self.__dict__.get("figures", ()):
-            if hasattr(figures, name):
-                return getattr(figures, name)
-        return _DEFAULTS[name]
-
-    def figure(self, kind: type[Any]) -> Any:
+    def figure(self, kind: type[_F]) -> _F | None:
         """This report's figures of type `kind`, or None where the sync ran in another mode."""
         return next((f for f in self.figures if isinstance(f, kind)), None)
 
     @property
+    def complete(self) -> bool:
+        """Every planned tensor was sent (False only for a delta sync that skipped some)."""
+        delta = self.figure(DeltaFigures)
+        return delta.complete if delta is not None else True
+
+    @property
     def sparse(self) -> bool:
         """The sync sent patches (`SyncConfig.sparse`)."""
-        return self.patched
+        sparse = self.figure(SparseFigures)
+        return sparse is not None and sparse.patched
 
     @property
     def changed_fraction(self) -> float:
@@ -208,6 +207,7 @@ class SyncReport:
         """Scalar metrics for the trainer's logs (TensorBoard, W&B)."""
         if not self.ok:
             return {f"{prefix}failed": 1.0}
+        delta = self.figure(DeltaFigures) or DeltaFigures()  # every sync logs what it skipped (nothing outside delta)
         metrics = {
             f"{prefix}seconds": self.seconds,
             f"{prefix}gbytes": self.bytes / 1e9,
@@ -215,8 +215,8 @@ class SyncReport:
             f"{prefix}tensors": float(self.tensors),
             f"{prefix}peak_extra_gbytes": self.peak_extra_bytes / 1e9,
             f"{prefix}failed": 0.0,
-            f"{prefix}skipped_tensors": float(self.skipped_tensors),
-            f"{prefix}skipped_gbytes": self.skipped_bytes / 1e9,
+            f"{prefix}skipped_tensors": float(delta.skipped_tensors),
+            f"{prefix}skipped_gbytes": delta.skipped_bytes / 1e9,
         }
         for figures in self.figures:
             metrics.update(figures.metrics(prefix))
@@ -238,5 +238,7 @@ class SyncReport:
     def as_dict(self) -> dict[str, object]:
         """Every figure flat, each mode's included (at its default where it did not run)."""
         record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "figures"}
-        modes = {name: getattr(self, name) for name in _DEFAULTS}
-        return {**record, **modes, "sparse": self.sparse, "gbps": self.gbps, "changed_fraction": self.changed_fraction}
+        for kind in _KINDS:
+            figures = self.figure(kind) or kind()
+            record.update({f.name: getattr(figures, f.name) for f in fields(figures)})
+        return {**record, "sparse": self.sparse, "gbps": self.gbps, "changed_fraction": self.changed_fraction}

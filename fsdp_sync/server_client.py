@@ -148,15 +148,16 @@ class ServerClient(HTTPVLLMWeightSyncClient):
 
     def engine_fixes(self) -> frozenset[str]:
         """The reload fixes every worker of the server applies to every weight-transfer engine (this package's
-        plugin, installed in the server's environment, adds them; `compat.vllm_patches.ENGINE_FIXES_METHOD`); empty
-        where the server cannot say (this package is not installed there, or the development routes are off)."""
-        from fsdp_sync.compat.vllm_patches import ENGINE_FIXES_METHOD
+        plugin, installed in the server's environment, adds them; the question `engine_fixes` of
+        `fsdp_sync.transfer.questions`); empty where the server cannot say (this package is not installed there, or
+        the development routes are off)."""
+        from .transfer.questions import ask
 
         try:
-            answers = self.collective_rpc(ENGINE_FIXES_METHOD)
+            answers = ask(self, "engine_fixes")
         except (ServerConfigError, ServerRequestError):
             return frozenset()
-        workers = [set(w) for w in answers if isinstance(w, list)]
+        workers = [set(a["answer"]) for a in answers]
         return frozenset(set.intersection(*workers)) if workers else frozenset()
 
     def model_names(self) -> list[str]:
@@ -166,25 +167,28 @@ class ServerClient(HTTPVLLMWeightSyncClient):
 
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """Run a method of vLLM's workers on every worker (`/collective_rpc`, the development route); the answers
-        of the first data-parallel replica's workers only (vLLM 0.32's `DPLBAsyncMPClient.call_utility_async`)."""
+        of the first data-parallel replica's workers only (vLLM 0.32's `DPLBAsyncMPClient.call_utility_async`).
+        The route `fsdp_sync.transfer.questions.ask` asks the workers through; nothing else calls it."""
         answer = self._request("POST", "collective_rpc", json={"method": method, "args": args or []})
         return list((answer or {}).get("results", []))
 
     def shard_rules(self) -> dict[str, dict[str, Any]]:
-        """Each worker's cut of every weight (`compat.tp_shards.worker_shard_rules`, through `/collective_rpc`), by
-        the worker's place in its replica (`compat.engine_api.worker_place`: `pp0:pcp0:tp1`).
+        """Each worker's cut of every weight (`compat.tp_shards.shard_rules`, the question `shard_rules` of
+        `fsdp_sync.transfer.questions`), by the worker's place in its replica (`compat.engine_api.worker_place`:
+        `pp0:pcp0:tp1`).
 
-        NOTE: `/collective_rpc` answers with the first data-parallel replica's workers only; the other replicas'
-        workers at the same place hold the same cuts.
+        NOTE: answered by the first data-parallel replica's workers only; the other replicas' workers at the same
+        place hold the same cuts.
 
         Raises:
-            ServerConfigError, ServerRequestError: the server cannot say (this package's gloo backend is not
-                installed there, or the development routes are off).
+            ServerConfigError, ServerRequestError: the server cannot say (this package is not installed there, or
+                the development routes are off).
         """
         from fsdp_sync.compat.engine_api import worker_place
-        from fsdp_sync.compat.tp_shards import SHARD_RULES_METHOD
 
-        return {worker_place(w["worker"]): w["rules"] for w in self.collective_rpc(SHARD_RULES_METHOD)}
+        from .transfer.questions import ask
+
+        return {worker_place(a["worker"]): a["answer"] for a in ask(self, "shard_rules")}
 
     def pause(self) -> None:
         """Stop scheduling generation; requests in flight are kept, not aborted (vLLM's `/pause?mode=keep`, what

@@ -13,6 +13,10 @@ docs/async.md print this module's output for their configs (`tests/unit/test_ser
 
 Pure: nothing of vLLM is imported here except where the LoRA rank is rounded up to a value vLLM accepts
 (`compat.trl_adapter.lora_rank_for_engine`).
+
+Why one file (over 500 lines): the command's rules (`server_command`) and the command line that asks for them
+(`build_parser`, `main`) are one job: each option is an argument of `server_command` (whose `ValueError`s are the
+command line's usage errors), and the module runs as `python -m fsdp_sync.server_command`.
 """
 
 from __future__ import annotations

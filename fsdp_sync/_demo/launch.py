@@ -7,16 +7,25 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .dist import free_port
-from .prefork import PREFORK_ENV, PreforkRefused, run_on_server
+from ..distributed import free_port
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LaunchResult", "accelerate_config", "launch_env", "launch_job"]
+__all__ = ["LaunchRefused", "LaunchResult", "Runner", "accelerate_config", "launch_env", "launch_job"]
+
+# Runs a job's ranks another way than `accelerate launch` (the tests fork them from a process that imported the stack
+# once): called with module, job_args, log_path, env, config, num_processes, port and timeout; returns the exit code,
+# or raises `LaunchRefused` to have the job launched for real.
+Runner = Callable[..., int]
+
+
+class LaunchRefused(RuntimeError):
+    """A `Runner` cannot run this job as `accelerate launch` would (the reason says why); it is launched for real."""
 
 
 def accelerate_config(
@@ -80,18 +89,18 @@ def launch_job(
     activation_checkpointing: bool = False,
     timeout: float = 900,
     port: int | None = None,
-    share_imports: bool = True,
+    runner: Runner | None = None,
+    env: dict[str, str] | None = None,
 ) -> LaunchResult:
     """Run `python -m module job_args` on `num_processes` CPU ranks under `backend` ("single": one plain process).
 
-    Each rank of the job is expected to write `out_dir/rank<r>.json`; they are read back in rank order. Where the
-    test session runs a fork server (`PREFORK_ENV` names its socket) and `share_imports` is on, the ranks are forked
-    from it with the environment `accelerate launch` gives them (see `prefork.py`); otherwise, or when the server
-    refuses the job, `accelerate launch` starts them.
+    Each rank of the job is expected to write `out_dir/rank<r>.json`; they are read back in rank order. `runner`, if
+    given, runs the ranks first (the tests' fork server); where it refuses, or without one, `accelerate launch`
+    starts them. `env`: the ranks' environment (default `launch_env()`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    env = launch_env()
+    env = launch_env() if env is None else env
     config = (
         None
         if backend == "single"
@@ -102,13 +111,11 @@ def launch_job(
     port = port or free_port()
     log_path = out / "launch.log"
     log_path.write_text("")
-    server = os.environ.get(PREFORK_ENV, "0") if share_imports else "0"
     returncode: int | None = None
     refused = ""
-    if server != "0":
+    if runner is not None:
         try:
-            returncode = run_on_server(
-                server,
+            returncode = runner(
                 module=module,
                 job_args=job_args,
                 log_path=log_path,
@@ -118,9 +125,9 @@ def launch_job(
                 port=port,
                 timeout=timeout,
             )
-        except PreforkRefused as e:
-            refused = f"[launch] not forked from the fork server ({e}); launched for real\n"
-            logger.warning("launching %s with accelerate instead of the fork server: %s", module, e)
+        except LaunchRefused as e:
+            refused = f"[launch] {e}; launched for real\n"
+            logger.warning("launching %s with accelerate: %s", module, e)
     if returncode is None:
         if config is None:
             cmd = [sys.executable, "-m", module, *job_args]
@@ -140,8 +147,5 @@ def launch_job(
 
 
 def launch_env() -> dict[str, str]:
-    """The environment every job is launched with (and the fork server started with; the server's socket is not
-    passed on: a job needs none)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop(PREFORK_ENV, None)
-    return env
+    """The environment every job is launched with: this process's, unbuffered, one OpenMP thread a rank."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -50,6 +50,9 @@ DIGESTS_METHOD = "fvs_test_weight_digests"
 # The workers' digests of the adapters their LoRA manager holds (sha256 of each lora_a / lora_b as vLLM keeps it, by
 # adapter name), and the names each worker serves.
 ADAPTER_DIGESTS_METHOD = "fvs_test_adapter_digests"
+# Each worker's cut of every weight, for the check's reader (the library asks its own question,
+# `fsdp_sync.transfer.questions`, only where it verifies).
+SHARD_RULES_METHOD = "fvs_test_shard_rules"
 
 
 def install_readable_weights() -> None:
@@ -60,12 +63,9 @@ def install_readable_weights() -> None:
     from .engine import keep_engine_weights_readable
 
     def set_digests(module: ModuleType) -> None:
-        from fsdp_sync.compat.tp_shards import SHARD_RULES_METHOD, worker_shard_rules
-
         setattr(module.WorkerBase, DIGESTS_METHOD, _worker_digests)
         setattr(module.WorkerBase, ADAPTER_DIGESTS_METHOD, _worker_adapter_digests)
-        # NOTE: the library's own method (`compat.tp_shards`), also on servers started without the gloo backend.
-        setattr(module.WorkerBase, SHARD_RULES_METHOD, worker_shard_rules)
+        setattr(module.WorkerBase, SHARD_RULES_METHOD, _worker_shard_rules)
 
     after_import(
         {
@@ -82,6 +82,15 @@ def _worker_digests(worker: Any) -> dict[str, str]:
 
     model = worker.model_runner.get_model()
     return {name: hashlib.sha256(tensor_bytes(p)).hexdigest() for name, p in model.named_parameters()}
+
+
+def _worker_shard_rules(worker: Any) -> dict[str, Any]:
+    """This worker's cut of every weight (`compat.tp_shards.shard_rules`, read from its own layers), tagged as its
+    digests are (`engine_api.worker_tag`)."""
+    from fsdp_sync.compat.engine_api import worker_tag
+    from fsdp_sync.compat.tp_shards import shard_rules
+
+    return {"worker": worker_tag(worker), "rules": shard_rules(worker.model_runner.get_model())}
 
 
 def _worker_adapter_digests(worker: Any, out_dir: str) -> bool:
@@ -176,8 +185,6 @@ def server_shard_rules(
     workers (`SHARD_RULES_METHOD`, servers started here with readable weights).
     """
     import requests
-
-    from fsdp_sync.compat.tp_shards import SHARD_RULES_METHOD
 
     if all(_unsharded(worker) for worker in workers):
         return {worker: {name: {"dim": None} for name in digests} for worker, digests in workers.items()}

@@ -11,6 +11,7 @@ from ..backend import Backend, UnsupportedBackendError, unwrap_outer
 from ..config import SyncConfig
 from .base import GatherFailed, Gatherer
 from .buffers import WithBuffers, persistent_buffers
+from .collectives import FlatOptions
 from .fsdp1 import FSDP1FlatGatherer, FSDP1RootSummonGatherer, FSDP1UnitGatherer
 from .fsdp2 import FSDP2FlatGatherer, FSDP2ParamGatherer, FSDP2UnitGatherer
 from .plain import PlainGatherer
@@ -22,6 +23,7 @@ __all__ = [
     "FSDP2FlatGatherer",
     "FSDP2ParamGatherer",
     "FSDP2UnitGatherer",
+    "FlatOptions",
     "GatherFailed",
     "Gatherer",
     "PlainGatherer",
@@ -49,26 +51,26 @@ def make_gatherer(
         compute_device: where CPU-offloaded FSDP2 shards go before an all-gather (None: leave them).
         merge_scopes: module types whose nested units are gathered with their enclosing unit (PEFT tuner layers).
         keep_dtype: trainer names the flat strategies gather in their own dtype rather than cast to the engine's
-            first: what the PEFT merge computes with (base and adapter weights), so the merged weight is rounded to
-            the engine dtype once, as PEFT's merge then a cast would.
+            first (`FlatOptions.keep_dtype`).
     """
     inner = unwrap_outer(model)
-    gatherer = _parameter_gatherer(
-        inner, backend, config, engine_dtype, compute_device, merge_scopes, keep_dtype
+    options = FlatOptions(
+        engine_dtype=engine_dtype,
+        keep_dtype=keep_dtype,
+        compute_device=compute_device,
+        prefetch_bytes=config.prefetch_bytes,
+        timeout_s=config.sync_timeout_s,
     )
+    gatherer = _parameter_gatherer(inner, backend, config, options, merge_scopes)
     buffers = persistent_buffers(inner)
     return WithBuffers(gatherer, inner, buffers) if buffers else gatherer
 
 
 def _parameter_gatherer(
-    inner: nn.Module,
-    backend: Backend,
-    config: SyncConfig,
-    engine_dtype: torch.dtype | None,
-    compute_device: torch.device | None,
-    merge_scopes: tuple[type, ...],
-    keep_dtype: Callable[[str], bool] | None,
+    inner: nn.Module, backend: Backend, config: SyncConfig, options: FlatOptions, merge_scopes: tuple[type, ...]
 ) -> Gatherer:
+    """The gatherer of `backend`'s configured strategy; the per-unit and per-parameter ones take what of `options`
+    applies to them."""
     strategy = config.fsdp1_strategy if backend == Backend.FSDP1 else config.fsdp2_strategy
     match backend, strategy:
         case Backend.FSDP1, "unit":
@@ -76,29 +78,18 @@ def _parameter_gatherer(
         case Backend.FSDP1, "root":
             return FSDP1RootSummonGatherer(inner)
         case Backend.FSDP1, "flat":
-            return FSDP1FlatGatherer(
-                inner,
-                engine_dtype=engine_dtype,
-                keep_dtype=keep_dtype,
-                compute_device=compute_device,
-                prefetch_bytes=config.prefetch_bytes,
-                timeout_s=config.sync_timeout_s,
-            )
+            return FSDP1FlatGatherer(inner, options)
         case Backend.FSDP2, "unit":
             return FSDP2UnitGatherer(
-                inner, engine_dtype=engine_dtype, compute_device=compute_device, merge_scopes=merge_scopes
+                inner,
+                engine_dtype=options.engine_dtype,
+                compute_device=options.compute_device,
+                merge_scopes=merge_scopes,
             )
         case Backend.FSDP2, "param":
-            return FSDP2ParamGatherer(inner, compute_device=compute_device)
+            return FSDP2ParamGatherer(inner, compute_device=options.compute_device)
         case Backend.FSDP2, "flat":
-            return FSDP2FlatGatherer(
-                inner,
-                engine_dtype=engine_dtype,
-                keep_dtype=keep_dtype,
-                compute_device=compute_device,
-                prefetch_bytes=config.prefetch_bytes,
-                timeout_s=config.sync_timeout_s,
-            )
+            return FSDP2FlatGatherer(inner, options)
         case (Backend.DDP | Backend.PLAIN), _:
             return PlainGatherer(inner)
         case Backend.DEEPSPEED, _:

@@ -39,7 +39,7 @@ from ..errors import SyncTimeoutError
 from ..faults import fault_point
 from .base import sync_rounds
 
-__all__ = ["FlatBase", "InFlight", "gather_dtype", "launch_or_join", "pipelined"]
+__all__ = ["FlatBase", "FlatOptions", "InFlight", "gather_dtype", "launch_or_join", "pipelined"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,29 @@ def gather_dtype(dtype: torch.dtype, engine_dtype: torch.dtype | None) -> torch.
     if engine_dtype is not None and dtype in CASTABLE_DTYPES and engine_dtype in CASTABLE_DTYPES:
         return engine_dtype
     return dtype
+
+
+@dataclass(frozen=True)
+class FlatOptions:
+    """What a flat gatherer is told, the same for both backends; `make_gatherer` builds it once per model.
+
+    Attributes:
+        engine_dtype: the engine's dtype, which castable floats travel in (`gather_dtype`); None: their own.
+        keep_dtype: trainer names gathered in their own dtype rather than cast to the engine's first: what the PEFT
+            merge computes with (base and adapter weights), so the merged weight is rounded to the engine dtype once,
+            as PEFT's merge then a cast would. A flat parameter (FSDP1) holding any of them goes uncast whole.
+        compute_device: where CPU-offloaded shards go before their all-gather (None: leave them).
+        prefetch_bytes: the bucket: the next unit is gathered during the current push when it fits
+            (`SyncConfig.prefetch_bytes`).
+        timeout_s: the bound on the sync's status rounds and, on gloo, on each all-gather's wait
+            (`SyncConfig.sync_timeout_s`); None: 600 s for the rounds, the process group's own for the waits.
+    """
+
+    engine_dtype: torch.dtype | None = None
+    keep_dtype: Callable[[str], bool] | None = None
+    compute_device: torch.device | None = None
+    prefetch_bytes: int = 2**30
+    timeout_s: float | None = None
 
 
 # How long `InFlight.wait` lets gloo's worker thread drop its references to a finished all-gather's output.
@@ -211,15 +234,19 @@ def launch_or_join(
 
 
 class FlatBase:
-    """What both flat gatherers share: the bound on waits, gloo's buffer settling, the status rounds."""
+    """What both flat gatherers share: their options, the bound on waits, gloo's buffer settling, the status rounds."""
 
-    def _init_flat(self, timeout_s: float | None) -> None:
+    def _init_flat(self, options: FlatOptions | None) -> FlatOptions:
+        """Keep `options` (None: the defaults) and derive the bounds on waits; returns the options kept."""
+        self.options = options = options if options is not None else FlatOptions()
+        timeout_s = options.timeout_s
         self._settle = _gloo()
         self._timeout_s = 600.0 if timeout_s is None else timeout_s
         # NOTE: a bounded `wait(timeout)` is a blocking wait; on NCCL it would also make the host wait for the
         # device, so NCCL's waits keep their own bound (the process group's timeout and watchdog).
         bounded = self._settle and timeout_s is not None
         self._timeout = datetime.timedelta(seconds=timeout_s) if bounded else None
+        return options
 
     def _rounds(self, rounds: Rounds | None) -> Rounds:
         return sync_rounds(rounds, self._timeout_s)

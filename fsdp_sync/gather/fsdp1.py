@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from functools import reduce
 from typing import Any
 
@@ -32,7 +32,7 @@ from ..distributed import Rounds, rank
 from ..faults import fault_point
 from ..memory import MemoryMeter
 from .base import Piece, group_units, replica_piece, sync_rounds, until_failed as _until_failed
-from .collectives import FlatBase, InFlight, gather_dtype, launch_or_join, pipelined
+from .collectives import FlatBase, FlatOptions, InFlight, gather_dtype, launch_or_join, pipelined
 
 __all__ = ["FSDP1FlatGatherer", "FSDP1RootSummonGatherer", "FSDP1UnitGatherer", "fsdp1_units"]
 
@@ -161,7 +161,9 @@ class _FSDP1Base:
         wanted = frozenset(names)
         owners: dict[int, bool] = {}
         for unit, name, local, info in self._slices(wanted):
-            owner = owners.setdefault(id(unit), _owns_replica(unit))
+            owner = owners.get(id(unit))
+            if owner is None:  # once per unit, not per parameter
+                owner = owners[id(unit)] = _owns_replica(unit)
             if info.in_shard and owner:
                 piece = local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
                 yield Piece(name, piece, info.intra_param_start_idx)
@@ -267,30 +269,20 @@ class FSDP1FlatGatherer(_FSDP1Base, FlatBase):
 
     NOTE: reads FSDP1's flat-parameter handle (`_handle.flat_param`, its process group and `_get_unflat_views`), the
     same metadata `summon_full_params` uses; FSDP1 is frozen (torch 2.0-2.13). A unit holding a parameter that
-    `keep_dtype` names (what the PEFT merge reads) is gathered uncast.
+    `options.keep_dtype` names (what the PEFT merge reads) is gathered uncast.
     """
 
     strategy = "fsdp1-flat"
     tensors_outlive_step = True  # each unit's views keep their own freshly allocated buffer alive
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        engine_dtype: torch.dtype | None = None,
-        keep_dtype: Callable[[str], bool] | None = None,
-        compute_device: torch.device | None = None,
-        prefetch_bytes: int = 2**30,
-        timeout_s: float | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, options: FlatOptions | None = None) -> None:
         super().__init__(model)
-        self._init_flat(timeout_s)
-        self.compute_device = compute_device
-        self.prefetch_bytes = prefetch_bytes
+        options = self._init_flat(options)
         self._units = [visit[0] for visit in self._visits]  # no companions without merge scopes
         # The cast before the gather is per flat parameter: a unit holding any parameter to keep uncast goes uncast.
+        keep = options.keep_dtype
         self._engine_dtypes = [
-            None if keep_dtype is not None and any(keep_dtype(n) for n, _, _ in params) else engine_dtype
+            None if keep is not None and any(keep(n) for n, _, _ in params) else options.engine_dtype
             for _, params in self._units
         ]
         self._sizes = [
@@ -311,8 +303,8 @@ class FSDP1FlatGatherer(_FSDP1Base, FlatBase):
         if handle is None or not params:
             return None
         flat = handle.flat_param.detach()
-        if self.compute_device is not None:
-            flat = flat.to(self.compute_device)
+        if self.options.compute_device is not None:
+            flat = flat.to(self.options.compute_device)
         local = flat.to(gather_dtype(flat.dtype, self._engine_dtypes[k]))
         world = dist.get_world_size(handle.process_group) if handle.uses_sharded_strategy else 1
         own = world == 1 and local.data_ptr() == handle.flat_param.data_ptr()
@@ -369,7 +361,7 @@ class FSDP1FlatGatherer(_FSDP1Base, FlatBase):
         visits = [k for k, (_, ps) in enumerate(self._units) if select is None or any(n in select for n, _, _ in ps)]
         self._order = {k: i for i, k in enumerate(visits)}  # position in this gather, for the fault points
         yield from pipelined(
-            visits, self._prepare, self._launch, self._collect, self._sizes, self.prefetch_bytes, self._run
+            visits, self._prepare, self._launch, self._collect, self._sizes, self.options.prefetch_bytes, self._run
         )
         if not self._run.stopped and not self._run.failed:
             yield from self._iter_ignored(select)

@@ -4,18 +4,26 @@ all-gathered straight into its full layout), per-unit unshard and per-parameter 
 Per unit: `FSDPModule.unshard()` runs one grouped all-gather for all parameters of the unit (not recursive), the
 unit's parameters become plain full tensors, and `reshard()` frees them. Per parameter: one all-gather per DTensor.
 Plain tensors (ignored parameters, modules outside any unit) pass through both untouched.
+
+Why one file (over 500 lines): one backend's gatherers, as `fsdp1.py` holds FSDP1's. The three strategies share the
+readers of FSDP2's parameter records (`fsdp2_sharded_parameters`, `_local_tensor`) and the one-parameter gather
+(`_full_tensor`, also the flat strategy's way for what it cannot gather flat); a file per strategy would import
+those private helpers across files.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from fsdp_sync.compat.manifest import TensorSpec
 from fsdp_sync.compat.torch_api import fsdp2_param_groups
@@ -24,7 +32,7 @@ from ..distributed import Rounds, rank
 from ..faults import fault_point
 from ..memory import MemoryMeter
 from .base import Piece, group_units, local_named_parameters, replica_piece, spec_of, sync_rounds
-from .collectives import FlatBase, InFlight, gather_dtype, launch_or_join, pipelined
+from .collectives import FlatBase, FlatOptions, InFlight, gather_dtype, launch_or_join, pipelined
 
 __all__ = [
     "FSDP2FlatGatherer",
@@ -131,9 +139,6 @@ def fsdp2_local_pieces(
         NotImplementedError: a parameter sharded otherwise (`shard_placement_fn` on another dim, tensor parallel),
             named; a sparse sync of it is not possible, so the caller syncs densely.
     """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     params = params if params is not None else dict(model.named_parameters())
     names = list(names)
     with torch.no_grad():  # as in `fsdp2_local_shards`
@@ -144,20 +149,39 @@ def fsdp2_local_pieces(
             yield replica_piece(name, param, rank() == 0)
             continue
         local = local_of[name]
-        shape = tuple(param.shape)
-        mesh, placements = param.device_mesh, param.placements
-        if any(not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)) for p in placements):
-            raise NotImplementedError(f"{name}: placements {placements} are not dim-0 shards; no sparse sync of it")
-        local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
-        coordinate = mesh.get_coordinate() or [0] * mesh.ndim
-        owner = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
+        place = _shard_place(tuple(param.shape), param.device_mesh, tuple(param.placements))
+        if place is None:
+            raise NotImplementedError(f"{name}: placements {param.placements} are not dim-0 shards; no sparse sync of it")
+        local_shape, start, owner = place
         flat = local.reshape(-1)
         if not owner or not flat.numel():
             yield Piece(name, flat[:0], 0)
             continue
-        if tuple(local.shape) != tuple(local_shape):
+        if tuple(local.shape) != local_shape:
             raise NotImplementedError(f"{name}: local shard {tuple(local.shape)} is not the expected {local_shape}")
-        yield Piece(name, flat, offset[0] * math.prod(shape[1:]))
+        yield Piece(name, flat, start)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_place(
+    shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> tuple[tuple[int, ...], int, bool] | None:
+    """Where this rank's shard of a DTensor of `shape` lies: (its local shape, its first element in the flattened
+    full tensor, whether this rank reports it), or None where a placement is not a dim-0 shard or a replica.
+
+    NOTE: kept per (shape, mesh, placements), which a plan's parameters share layer after layer: DTensor's own
+    computation took about 0.1 ms a parameter, most of an adapter sync of many small tensors (392 LoRA weights on
+    2 CPU ranks: 53 of its 108 ms), and it gives the same answer every sync.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)) for p in placements):
+        return None
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    coordinate = mesh.get_coordinate() or [0] * mesh.ndim
+    owner = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
+    return tuple(local_shape), offset[0] * math.prod(shape[1:]), owner
 
 
 def _local_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -342,28 +366,16 @@ class FSDP2FlatGatherer(FlatBase):
     Gathering `ceil(d0 / world)` rows from every rank (short shards padded) into a `world * ceil(d0 / world)`-row
     block therefore lays the full parameter out in order: its first `d0` rows, with no copy afterwards. Parameters
     that are not `Shard(0)` DTensors on a 1-D mesh (plain tensors, other layouts) are materialised one by one, as in
-    the per-parameter strategy. Parameters `keep_dtype` names (what the PEFT merge reads) are gathered uncast.
+    the per-parameter strategy. Parameters `options.keep_dtype` names (what the PEFT merge reads) are gathered uncast.
     """
 
     strategy = "fsdp2-flat"
     tensors_outlive_step = True  # every full tensor is a view of its unit's fresh buffer (or a fresh tensor)
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        engine_dtype: torch.dtype | None = None,
-        keep_dtype: Callable[[str], bool] | None = None,
-        compute_device: torch.device | None = None,
-        prefetch_bytes: int = 2**30,
-        timeout_s: float | None = None,
-    ) -> None:
-        self._init_flat(timeout_s)
+    def __init__(self, model: nn.Module, options: FlatOptions | None = None) -> None:
+        options = self._init_flat(options)
         self._select: frozenset[str] | None = None
         self.model = model
-        self.engine_dtype = engine_dtype
-        self.compute_device = compute_device
-        self.prefetch_bytes = prefetch_bytes
         planned = fsdp2_sharded_parameters(model)
         # NOTE: by name once, not one `get_parameter` (a module walk) per parameter and sync; FSDP2 keeps the
         # parameter objects (its DTensors) for the module's lifetime.
@@ -387,8 +399,8 @@ class FSDP2FlatGatherer(FlatBase):
                     continue
                 mesh = param.device_mesh
                 rows = math.ceil(param.shape[0] / mesh.size())
-                kept = keep_dtype is not None and keep_dtype(name)
-                wire = param.dtype if kept else gather_dtype(param.dtype, engine_dtype)
+                kept = options.keep_dtype is not None and options.keep_dtype(name)
+                wire = param.dtype if kept else gather_dtype(param.dtype, options.engine_dtype)
                 slots.append(_Slot(name, rows, tuple(param.shape), wire))
             # Grouped by wire dtype, as the collectives are launched.
             slots.sort(key=lambda slot: str(slot.dtype))
@@ -397,9 +409,9 @@ class FSDP2FlatGatherer(FlatBase):
         # NOTE: decided once: where every flat-gathered shard already lives on the compute device (no CPU offload),
         # no `.to(device)` per parameter and sync (a microsecond or two of host work each, at 1.5B shapes a tenth of
         # FSDP2's host work over FSDP1's on one H100).
-        self._move_to = compute_device
-        if compute_device is not None:
-            here = torch.empty(0, device=compute_device).device
+        self._move_to = options.compute_device
+        if options.compute_device is not None:
+            here = torch.empty(0, device=options.compute_device).device
             shards = [_local_tensor(planned[slot.name]) for visit in self._visits for slot in visit.slots]
             if all(shard.device == here for shard in shards):
                 self._move_to = None
@@ -426,8 +438,8 @@ class FSDP2FlatGatherer(FlatBase):
         local = self._params[slot.name].to_local().detach()
         if local.shape[0] == slot.rows:
             return self._cast(local, slot).contiguous().view(-1)
-        if self.compute_device is not None:
-            local = local.to(self.compute_device)
+        if self.options.compute_device is not None:
+            local = local.to(self.options.compute_device)
         padded = torch.empty(slot.local_numel, dtype=slot.dtype, device=local.device)
         padded[: local.numel()].copy_(local.reshape(-1))  # the padding rows are never read back
         return padded
@@ -501,7 +513,8 @@ class FSDP2FlatGatherer(FlatBase):
                 full = out if out.shape == slot.shape else out[: slot.shape[0] * slot.row_numel].view(slot.shape)
                 items.append((name, full))
             else:
-                items.append((name, _full_tensor(self.model.get_parameter(name), self.compute_device, self._meter)))
+                param = self.model.get_parameter(name)
+                items.append((name, _full_tensor(param, self.options.compute_device, self._meter)))
         return items
 
     def trainable(self) -> frozenset[str]:
@@ -518,7 +531,8 @@ class FSDP2FlatGatherer(FlatBase):
             sum(v.world * s.local_numel * s.dtype.itemsize for s in self._slots(k)) if v.slots else 0
             for k, v in enumerate(self._visits)
         ]
-        yield from pipelined(visits, self._prepare, self._launch, self._collect, sizes, self.prefetch_bytes, self._run)
+        limit = self.options.prefetch_bytes
+        yield from pipelined(visits, self._prepare, self._launch, self._collect, sizes, limit, self._run)
 
 
 def _unlinked(local: torch.Tensor) -> torch.Tensor:

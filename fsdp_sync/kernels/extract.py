@@ -1,7 +1,7 @@
 """Sparse extraction on the GPU: compare every piece with its snapshot, count and compact the changes, and write them
 into the snapshot, in two launches whatever the number of pieces.
 
-Why: the torch path (`fsdp_sync.sync.sparse.Snapshot.diff`, kept on the CPU and as the reference) casts each piece
+Why: the torch path (`fsdp_sync.sync.snapshot.Snapshot.diff`, kept on the CPU and as the reference) casts each piece
 (read 4, write 2 bytes an element), compares the bits with the snapshot (read 2 + 2), and `torch.nonzero` then waits
 for the device, once per piece: at 7B shapes it ran at 5-6x the bytes' floor on an H200 (docs/sparse.md). What it
 must move is the new values and the snapshot, each read once, and the few changes written: 4 bytes an element from

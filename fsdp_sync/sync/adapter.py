@@ -15,7 +15,7 @@ Steps:
 2. the base, once: every rank compares its own shards of the frozen base with the same elements of the engine's
    checkpoint (`torch.equal`; only the rows holding them are read; no gather); a different base is an error before
    anything is written.
-3. every sync: this rank's pieces of the adapter (`Gatherer.local_pieces`), exchanged (`gather_pieces`), built into
+3. every sync: this rank's pieces of the adapter (`Gatherer.local_pieces`), exchanged (`pieces.PieceExchange`), built into
    an adapter that every rank agrees on, then loaded into the engine beside the version it serves
    (`AdapterWriter.load_adapter`), verified, and published at the commit point (`publish_adapter`): only then do
    requests name it, and the previous version may be unloaded.
@@ -27,13 +27,12 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fsdp_sync.compat.lora_api import (
     Adapter,
@@ -52,9 +51,11 @@ from ..gather.base import Gatherer, Piece
 from ..report import AdapterFigures, SyncReport
 from ..writers.base import AdapterWriter, EngineWriter
 from .frame import Pushed, SyncFrame, Verified
+from .pieces import PieceExchange
+from .pieces import few as _few
 from .verify import verify_adapter
 
-__all__ = ["AdapterPlan", "AdapterSync", "adapter_plan", "adapter_refusal", "gather_pieces"]
+__all__ = ["AdapterPlan", "AdapterSync", "adapter_plan", "adapter_refusal"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,92 +165,6 @@ def adapter_refusal(
     return "; ".join(reasons) if reasons else None
 
 
-def _few(names: Sequence[str], limit: int = 4) -> str:
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def gather_pieces(
-    names: Sequence[str],
-    pieces: Iterable[Piece],
-    numels: Sequence[int],
-    dtypes: Sequence[torch.dtype],
-    *,
-    receive: bool,
-    group: dist.ProcessGroup | None = None,
-) -> dict[str, torch.Tensor]:
-    """The full (flat) tensors of `names` from every rank's disjoint pieces: three all-gathers per dtype (sizes, the
-    pieces' places, their values) on `group`, whatever the number of tensors. Every rank must call it with the same
-    `names`, `numels` and `dtypes` (metadata every rank has). A sync runs it inside `Coordinator.run` on its own
-    group (`adapter.pieces`); the full tensors are on the device of this rank's pieces.
-
-    Args:
-        receive: this rank keeps the full tensors (else it returns {} after its part of the collectives).
-        group: the group the pieces travel on (None: the default group, or a single process).
-
-    Raises:
-        RuntimeError: the ranks' pieces do not cover a tensor exactly once (a gatherer defect).
-    """
-    index = {name: i for i, name in enumerate(names)}
-    mine = sorted(((index[p.name], p) for p in pieces if p.values.numel()), key=lambda item: item[0])
-    full: dict[str, torch.Tensor] = {}
-    filled: dict[str, int] = {}
-    for dtype in sorted(set(dtypes), key=str):
-        chosen = [(i, p) for i, p in mine if dtypes[i] == dtype]
-        device = chosen[0][1].values.device if chosen else torch.device("cpu")
-        places = torch.tensor([[i, p.start, p.values.numel()] for i, p in chosen], dtype=torch.int64).reshape(-1, 3)
-        values = torch.cat([p.values.reshape(-1).to(dtype) for _, p in chosen]) if chosen else torch.empty(0, dtype=dtype)
-        all_places, all_values = _exchange(places, values.to(device), group)
-        if not receive:
-            continue
-        for rank_places, rank_values in zip(all_places, all_values, strict=True):
-            at = 0
-            for i, start, n in rank_places.tolist():
-                name = names[i]
-                out = full.get(name)
-                if out is None:
-                    out = full[name] = torch.empty(numels[i], dtype=dtype, device=device)
-                out[start : start + n] = rank_values[at : at + n]
-                filled[name] = filled.get(name, 0) + n
-                at += n
-    if receive:
-        wrong = [n for i, n in enumerate(names) if filled.get(n, 0) != numels[i]]
-        if wrong:
-            raise RuntimeError(f"the ranks' pieces do not cover these adapter weights exactly once: {_few(wrong)}")
-    return full
-
-
-def _exchange(
-    places: torch.Tensor, values: torch.Tensor, group: dist.ProcessGroup | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Every rank's (places, values), padded to the longest for one all-gather each."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [places], [values]
-    world = dist.get_world_size(group)
-    # NOTE: on a gloo group (the sync's own, also on GPU trainers) the tensors travel through host memory, as the
-    # sparse round's do: an adapter is small, and a group of its own can be aborted when a rank raises inside it
-    # (the training group cannot). The full tensors are built on the pieces' device by the caller.
-    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else values.device
-    sizes = torch.tensor([places.shape[0], values.numel()], dtype=torch.int64, device=device)
-    all_sizes = torch.empty(world * 2, dtype=torch.int64, device=device)
-    collective("adapter.pieces", dist.all_gather_into_tensor, all_sizes, sizes, group=group)
-    rows, lengths = all_sizes.view(world, 2).t().tolist()
-    most = max(max(rows), 1)
-    padded_places = torch.full((most, 3), -1, dtype=torch.int64, device=device)
-    padded_places[: places.shape[0]] = places
-    out_places = torch.empty(world * most * 3, dtype=torch.int64, device=device)
-    collective("adapter.pieces", dist.all_gather_into_tensor, out_places, padded_places.reshape(-1), group=group)
-    longest = max(max(lengths), 1)
-    padded = torch.zeros(longest, dtype=values.dtype, device=device)
-    padded[: values.numel()] = values
-    out_values = torch.empty(world * longest, dtype=values.dtype, device=device)
-    collective("adapter.pieces", dist.all_gather_into_tensor, out_values, padded, group=group)
-    place_rows = out_places.view(world, most, 3).cpu()
-    return (
-        [place_rows[r, : rows[r]] for r in range(world)],
-        [out_values[r * longest : r * longest + lengths[r]] for r in range(world)],
-    )
-
-
 def base_mismatches(plan: AdapterPlan, pieces: Iterable[Piece], checkpoint_dir: str) -> list[str]:
     """This rank's frozen-base pieces against the same elements of the engine's checkpoint, compared with
     `torch.equal` (local work: each rank reads from the files only the rows that hold its own elements, of the
@@ -357,6 +272,9 @@ class AdapterSync(SyncFrame):
         # The adapter version published last (what requests name); moves only at the commit point.
         self.version = 0
         self._plan: AdapterPlan | None = None
+        self._exchange: PieceExchange | None = None
+        # This sync's pieces, listed once (by the finite check, or by the exchange).
+        self._listed: list[Piece] | None = None
         self._base_seconds = 0.0
         self._first = True
 
@@ -435,33 +353,37 @@ class AdapterSync(SyncFrame):
 
     def _checked_plan(self) -> AdapterPlan:
         self._first = self._plan is None
-        return self.plan()
+        self._listed = None
+        plan = self.plan()
+        if self._exchange is None:
+            specs = self.gatherer.specs()
+            self._exchange = PieceExchange(
+                plan.names, [math.prod(specs[n].shape) for n in plan.names], [specs[n].dtype for n in plan.names]
+            )
+        return plan
 
     def _pieces(self, plan: AdapterPlan) -> list[Piece]:
-        return agreed(
-            self.coordinator, "adapter.pieces", lambda: list(self.gatherer.local_pieces(plan.names)), self._failed_stage
-        )
+        """This rank's pieces of the adapter, listed once per sync (local work, no collective)."""
+        if self._listed is None:
+            self._listed = list(self.gatherer.local_pieces(plan.names))
+        return self._listed
 
     def _check_finite(self, plan: AdapterPlan) -> None:
-        pieces = self._pieces(plan)
-        agreed(self.coordinator, "check", lambda: _check_finite(pieces), self._failed_stage)
+        agreed(self.coordinator, "check", lambda: _check_finite(self._pieces(plan)), self._failed_stage)
 
     def _push(self, plan: AdapterPlan) -> Pushed:
         start = time.perf_counter()
-        specs = self.gatherer.specs()
-        pieces = self._pieces(plan)
-        numels = [math.prod(specs[n].shape) for n in plan.names]
-        dtypes = [specs[n].dtype for n in plan.names]
+        exchange = self._exchange
+        assert exchange is not None  # made with the plan
         version = self.version + 1
         try:
-            # NOTE: on the sync's own group, not the training group: a rank that raises inside the exchange (or in
-            # building the full tensors after it) aborts that group, so every rank raises at once naming it, where
-            # the training group would have kept the others inside its all-gather until that group's own timeout.
+            # NOTE: on the sync's own group, not the training group: a rank that raises inside the exchange (in
+            # listing its pieces, or in building the full tensors after it) aborts that group, so every rank raises
+            # at once naming it, where the training group would have kept the others inside its all-gather until
+            # that group's own timeout.
             full = self.coordinator.run(
                 "adapter.pieces",
-                lambda group: gather_pieces(
-                    plan.names, pieces, numels, dtypes, receive=self.writer.pushes, group=group
-                ),
+                lambda group: exchange(self._pieces(plan), receive=self.writer.pushes, group=group),
             )
             # NOTE: every rank agrees before any engine loads: a rank that raised just after the exchange's last
             # all-gather returned (the others had left it) would otherwise leave their engines on the new version.
@@ -471,6 +393,8 @@ class AdapterSync(SyncFrame):
         except SyncError as e:
             e.engine = e.engine or self._unchanged()
             raise
+        finally:
+            self._listed = None
         error: Exception | None = None
         if adapter is not None:
             try:

@@ -7,10 +7,11 @@ CPU-only server, a test deployment, or a GPU server whose trainer has no NCCL pa
 The backend's name in vLLM's registries (`plugin.BACKENDS`) points here; the code lives in one module per concern:
 - `gloo_wire`: the wire format both ends share (the handshake's rendezvous, chunks and their status trailer, the
   receive loop, the abort marker, the update's announcement `GlooUpdateInfo`);
-- `gloo_worker`: the worker side, inside each vLLM worker (dense, sparse, staged and adapter rounds; answers sent
-  back over the group);
+- `gloo_worker`: the worker side, inside each vLLM worker (dense, sparse, staged and adapter rounds);
 - `gloo_trainer`: the trainer side (the handshake, one round helper for every kind of update, staging);
 - `staging`: staging as a declared capability of a trainer-side engine (`StagedTransfer`), which writers use.
+The trainer's questions to the workers (`questions`) use the group too: answers that must come from every
+data-parallel replica travel back over it (`GlooTrainerWeightTransferEngine.gather_answers`).
 """
 
 from __future__ import annotations

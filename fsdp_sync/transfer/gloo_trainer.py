@@ -9,11 +9,10 @@ leaves it open for `commit`). Staging is a declared capability (`fsdp_sync.trans
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -30,7 +29,6 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from .gloo_wire import (
-    ANSWER_METHOD,
     DATA,
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -335,35 +333,29 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         for name, _ in stream:  # the metadata was shorter than the stream
             raise ValueError(f"the weight stream yielded {name!r} after the {len(meta)} announced tensors")
 
-    def ask_workers(self, question: str, *args: Any) -> list[dict[str, Any]]:
-        """Every server worker's answer to `question` (the worker side's `answer_over_transfer`: e.g.
-        `"adapter_digests"`), in transfer-rank order, each `{"worker": "dp1:pp0:pcp0:tp0", "answer": ...}`.
-
-        Why over the group: vLLM's `/collective_rpc` runs a method on every worker of every data-parallel replica
-        but answers with the first replica's only (vLLM 0.32's `DPLBAsyncMPClient.call_utility_async`); here each
-        worker sends its answer to this rank itself. The route's own failure (an older server without the method)
-        is raised at once.
+    def gather_answers(self, request: Callable[[], Any], what: str) -> list[bytes]:
+        """Every server worker's answer, sent to this rank over the transfer group while `request` (the call that
+        makes each worker send it: `fsdp_sync.transfer.questions`) runs; in transfer-rank order, this rank's own left
+        out. The request's own failure (a server whose workers cannot answer) is raised at once, not after the
+        group's timeout.
 
         Raises:
-            RuntimeError: a worker could not answer (each such worker named, with its error).
+            RuntimeError: the transfer is not initialized.
+            TimeoutError: not every worker answered within the bound (`what` names what was awaited).
         """
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized (trainer_init failed or was not called).")
         group = self.group
         pool = ThreadPoolExecutor(max_workers=2)
         try:
-            answer = pool.submit(self.client.collective_rpc, ANSWER_METHOD, [question, list(args)])
+            answer = pool.submit(request)
             gathered = pool.submit(gather_to_sender, group, b"", self._wait)
-            _first_failure([answer, gathered], _left(self.timeout_s + 10, self.deadline), f"the workers' {question}")
+            _first_failure([answer, gathered], _left(self.timeout_s + 10, self.deadline), what)
         finally:
             pool.shutdown(wait=False)
         payloads = gathered.result()
         assert payloads is not None
-        answers = [json.loads(p) for p in payloads[1:]]  # rank 0 is this sender
-        failed = [f"{a['worker'] or i}: {a['error']}" for i, a in enumerate(answers) if "error" in a]
-        if failed:
-            raise RuntimeError(f"the server's workers could not answer {question}: {'; '.join(failed)}")
-        return answers
+        return payloads[1:]  # rank 0 is this sender
 
     # --- staging (`fsdp_sync.transfer.staging.StagedTransfer`) ---
 

@@ -13,7 +13,7 @@ the group:
 - a sparse update (`counts` given): each tensor travels as three segments (`GlooUpdateInfo.segment_sizes`: changes
   per block, low index bits, values; `fsdp_sync.patch_codec`), chunked the same way.
 - answers (`gather_to_sender`): the other way, each worker's few bytes (a JSON answer) to rank 0: every worker of
-  every data-parallel replica answers, which vLLM's `/collective_rpc` does not return (first replica only).
+  every data-parallel replica answers (`fsdp_sync.transfer.questions`, `Route.EVERY_REPLICA`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, Weight
 __all__ = [
     "ABORT",
     "ALIGN",
-    "ANSWER_METHOD",
     "DATA",
     "DEFAULT_BUFFER_BYTES",
     "DEFAULT_TIMEOUT_S",
@@ -63,9 +62,6 @@ ALIGN = 64
 TRAILER = ALIGN
 DATA, ABORT = 1, 2
 STAGE_RECEIVE, STAGE_APPLY = "receive", "apply"
-# The worker method (on vLLM's `WorkerBase`, added by the worker side) that answers a question over the group
-# (`gather_to_sender`), called on every worker through `/collective_rpc`.
-ANSWER_METHOD = "fsdp_vllm_sync_answer"
 _STORE_PREFIX = "fsdp_vllm_sync/gloo"
 
 

@@ -295,70 +295,6 @@ class _AdapterRound:
         logger.info("gloo weight transfer: adapter %s (%d tensors) received", adapter["name"], len(tensors))
 
 
-def adapter_digests(worker: Any, name: str) -> dict[str, Any]:
-    """The question `"adapter_digests"` (`answer_over_transfer`: what `SyncConfig(verify=True)` asks every worker
-    after an adapter sync): sha256 of each tensor of the adapter version `name` as this worker keeps it to serve
-    (`compat.lora_api.served_lora_tensors`), and the dtype it holds them in; `held` False where it keeps no such
-    version (with the versions it keeps)."""
-    from fsdp_sync.compat.lora_api import served_lora_tensors
-    from fsdp_sync.compat.lora_patches import kept_adapter, served_adapters
-    from fsdp_sync.digest import tensor_digest
-
-    lora = kept_adapter(name)
-    if lora is None:
-        return {"held": False, "kept": served_adapters()}
-    tensors = served_lora_tensors(lora, worker.model_runner.get_model().lora_manager.packed_modules)
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
-    return {"held": True, "dtypes": dtypes, "digests": {key: tensor_digest(t) for key, t in tensors.items()}}
-
-
-def answer_over_transfer(worker: Any, question: str, args: list[Any]) -> bool:
-    """`gloo_wire.ANSWER_METHOD`: answer `question` (`_QUESTIONS`) and send the answer to the trainer over the
-    transfer group (the trainer's `ask_workers`), tagged with this worker's `/weight_checker` prefix. A question
-    that fails is answered with its error, so that the group's gather never waits for this worker."""
-    import json
-    from datetime import timedelta
-
-    from fsdp_sync.compat.engine_api import worker_tag
-
-    from .gloo_wire import gather_to_sender
-
-    engine = getattr(worker, "weight_transfer_engine", None)
-    if engine is None or engine.group is None:
-        raise RuntimeError("gloo weight transfer is not initialized; call /init_weight_transfer_engine first.")
-    prefix = worker_tag(worker)
-    try:
-        answer: dict[str, Any] = {"worker": prefix, "answer": _QUESTIONS[question](worker, *args)}
-    except Exception as e:  # noqa: BLE001 - sent to the trainer, which raises it with every worker's
-        answer = {"worker": prefix, "error": f"{type(e).__name__}: {e}"}
-    timeout = timedelta(seconds=engine.timeout_s)
-    gather_to_sender(engine.group, json.dumps(answer).encode(), lambda work: work.wait(timeout))
-    return True
-
-
-# The questions `answer_over_transfer` answers, by name.
-_QUESTIONS = {"adapter_digests": adapter_digests}
-
-
-def _add_worker_methods() -> None:
-    """Give vLLM's workers what `SyncConfig(verify=True)` asks them (idempotent): `SHARD_RULES_METHOD` (each
-    worker's cut of every weight, for a tensor-parallel server's digests) and `ANSWER_METHOD` (an answer sent over
-    the transfer group, from every data-parallel replica: the adapter's digests); and `KEPT_VERSIONS_METHOD` (the
-    adapter versions the server keeps servable, asked by the async trainer's seam). NOTE: methods
-    on vLLM's `WorkerBase`, the class `/collective_rpc` calls methods of by name (vLLM 0.28-0.32); nothing else of
-    the worker is changed."""
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    from fsdp_sync.compat.lora_patches import KEPT_VERSIONS_METHOD, kept_versions
-    from fsdp_sync.compat.tp_shards import SHARD_RULES_METHOD, worker_shard_rules
-
-    from .gloo_wire import ANSWER_METHOD
-
-    setattr(WorkerBase, SHARD_RULES_METHOD, worker_shard_rules)
-    setattr(WorkerBase, ANSWER_METHOD, answer_over_transfer)
-    setattr(WorkerBase, KEPT_VERSIONS_METHOD, lambda worker: kept_versions())
-
-
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpdateInfo]):
     """Worker side (inside the vLLM server): joins the trainer's group and receives each update in the round the
     update announces: dense (`_DenseRound`) or sparse (`_PatchRound`)."""
@@ -377,7 +313,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         self._patches = _PatchRound(self)
         self._staging = _Staging(self)
         self._adapter = _AdapterRound(self)
-        _add_worker_methods()
 
     def _worker_rank(self) -> int:
         # Unique across data-parallel replicas, as vLLM's NCCL backend numbers its workers.

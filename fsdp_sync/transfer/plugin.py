@@ -33,8 +33,9 @@ SPARSE_ENV = "FSDP_VLLM_SYNC_SPARSE"
 def register() -> None:
     """Register every backend of `BACKENDS` in every registry vLLM has; idempotent (vLLM may call plugins twice).
     Make every weight-transfer engine of this process apply this package's reload fixes
-    (`compat.vllm_patches.fix_every_weight_transfer_engine`), and on vLLM-CPU serve base-model requests without the
-    adapter a batch shares (`compat.cpu_lora_base_requests`). With `FSDP_VLLM_SYNC_SPARSE` set, also keep vLLM-CPU's
+    (`compat.vllm_patches.fix_every_weight_transfer_engine`), give the workers the trainer's questions
+    (`questions.install`), and on vLLM-CPU serve base-model requests without the adapter a batch shares
+    (`compat.cpu_lora_base_requests`). With `FSDP_VLLM_SYNC_SPARSE` set, also keep vLLM-CPU's
     linear weights patchable."""
     if os.environ.get(SPARSE_ENV, "") not in ("", "0"):
         try:
@@ -50,6 +51,16 @@ def register() -> None:
         fix_every_weight_transfer_engine()
     except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
         logger.warning("fsdp-vllm-sync: the reload fixes are not installed (%s: %s)", type(e).__name__, e)
+    try:
+        from .questions import install
+
+        # Whatever the backend: a trainer asks the workers of servers on vLLM's own backends too.
+        if not install():
+            logger.warning("fsdp-vllm-sync: this vLLM has no worker class to give the trainer's questions to")
+    except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
+        logger.warning(
+            "fsdp-vllm-sync: the workers cannot answer the trainer's questions (%s: %s)", type(e).__name__, e
+        )
     try:
         from fsdp_sync.compat.cpu_lora_base_requests import skip_lora_for_base_requests
 

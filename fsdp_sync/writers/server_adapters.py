@@ -60,16 +60,16 @@ class ServerAdapters:
 
     def kept_adapter_versions(self) -> int:
         """How many adapter versions the server keeps servable (`FSDP_VLLM_SYNC_ADAPTER_VERSIONS` there; the
-        fewest any worker keeps), asked through a method this package's gloo backend gives its workers.
+        fewest any worker keeps): the question `kept_versions` (`fsdp_sync.transfer.questions`).
 
         Raises:
-            ServerConfigError, ServerRequestError: the server cannot say (without the gloo backend, or an invalid
-                setting there, named in the server's answer).
+            ServerConfigError, ServerRequestError: the server cannot say (without this package installed there, or
+                an invalid setting there, named in the server's answer).
         """
-        from fsdp_sync.compat.lora_patches import KEPT_VERSIONS_METHOD
+        from ..transfer.questions import ask
 
         assert self.client is not None
-        return min(int(k) for k in self.client.collective_rpc(KEPT_VERSIONS_METHOD))
+        return min(a["answer"] for a in ask(self.client, "kept_versions"))
 
     def adapter_transport_refusal(self) -> str | None:
         if not self.transport.carries_adapters:
@@ -138,16 +138,19 @@ class ServerAdapters:
 
     def adapter_digests(self) -> tuple[dict[str, dict[str, str]], EngineLoRA]:
         """Each worker's digests of the adapter it keeps under the staged version's name, every worker of every
-        data-parallel replica (asked over the transfer group: `ask_workers`); a tensor-parallel worker keeps the
-        whole adapter (vLLM slices it only when it activates it).
+        data-parallel replica (the question `adapter_digests`, answered over the transfer group:
+        `fsdp_sync.transfer.questions`); a tensor-parallel worker keeps the whole adapter (vLLM slices it only when
+        it activates it).
 
         Raises:
             VerifyError: a worker keeps no such version.
         """
+        from ..transfer.questions import ask
+
         name = self._staged_name
-        assert self._engine is not None and name is not None, "no adapter was staged"
+        assert self.client is not None and self._engine is not None and name is not None, "no adapter was staged"
         try:
-            asked = self._engine.ask_workers("adapter_digests", name)
+            asked = ask(self.client, "adapter_digests", name, transfer=self._engine)
         except Exception:
             # NOTE: a question not answered may leave the group mid-collective: set the transfer up again next sync.
             self._drop_transfer()

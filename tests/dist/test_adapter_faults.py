@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 from fsdp_sync.assemble import build_sync
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import SyncError
+from fsdp_sync.report import AdapterFigures
 
 from .adapters import RecordingAdapterWriter, full_adapter, peft_lm, save_base, wrap
 from .faultcheck import TIMEOUT_S, Faults, check_failed_everywhere, error_record, record_faults
@@ -68,11 +69,11 @@ def faults_scenario(rank: int, world_size: int, backend: str, per_rank: bool, fa
         faults.fired.clear()
         faults.arm(None)
         record["written"] = len(writer.adapters) - loaded
-        report = sync.sync()
-        record["retry_id"] = report.adapter_id
+        retry = sync.sync().figure(AdapterFigures)
+        record["retry_id"] = retry.adapter_id
         last = writer.adapters[-1] if writer.pushes else None
         record["retry_exact"] = last is None or (
-            last.adapter_id == report.adapter_id
+            last.adapter_id == retry.adapter_id
             and sorted(last.tensors) == sorted(expected)
             and all(torch.equal(last.tensors[k], expected[k]) for k in expected)
         )

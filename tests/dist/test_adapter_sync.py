@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from fsdp_sync.assemble import build_sync
 from fsdp_sync.config import SyncConfig
-from fsdp_sync._demo.dist import run_distributed
+from fsdp_sync.report import AdapterFigures
+from tests.support.dist import run_distributed
 
 from .adapters import RecordingAdapterWriter, full_adapter, peft_lm, save_base, wrap
 from .models import train_step
@@ -68,6 +69,7 @@ def adapter_scenario(rank: int, world_size: int, backend: str, directory: str) -
     second_report = sync.sync()
     in_second = (counter.unshards, counter.gathered)
     first, second = writer.adapters
+    first_figures, second_figures = first_report.figure(AdapterFigures), second_report.figure(AdapterFigures)
     return {
         "wrapper_ok": wrapper_ok,
         "is_adapter_sync": isinstance(sync, AdapterSync),
@@ -80,7 +82,7 @@ def adapter_scenario(rank: int, world_size: int, backend: str, directory: str) -
         "gathered": [in_first[1], in_second[1]],
         "adapter_numel": adapter_numel,
         "bytes": first_report.bytes,
-        "figures": [first_report.adapter_id, second_report.adapter_id, second_report.adapter_tensors],
+        "figures": [first_figures.adapter_id, second_figures.adapter_id, second_figures.adapter_tensors],
     }
 
 

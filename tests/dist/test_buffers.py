@@ -13,7 +13,7 @@ from fsdp_sync import iter_full_weights
 from fsdp_sync.backend import detect_backend, unwrap_outer
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.gather import WithBuffers, make_gatherer
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 
 from .models import full_reference, tiny_lm, wrap
 

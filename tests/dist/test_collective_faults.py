@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 from fsdp_sync.backend import detect_backend
 from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 from fsdp_sync.compat.manifest import PlannedTensor

@@ -23,7 +23,7 @@ from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import SyncError
 from fsdp_sync.gather import make_gatherer
 from fsdp_sync.sync.pipeline import WeightSync
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 
 from .models import tiny_lm, train_step, wrap
 from .test_sync_failures import RecordingEngine, _expected

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 
 TIMEOUT_S = 30.0
 LINGER_S = 3.0

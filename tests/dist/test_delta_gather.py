@@ -12,7 +12,7 @@ from fsdp_sync.backend import detect_backend
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.gather import make_gatherer
 from fsdp_sync.memory import MemoryMeter
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 
 from .models import full_reference, tiny_lm, wrap
 

@@ -13,9 +13,9 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 from fsdp_sync.compat.names import canonical_name
-from fsdp_sync.gather import FSDP1FlatGatherer, FSDP2FlatGatherer
+from fsdp_sync.gather import FSDP1FlatGatherer, FSDP2FlatGatherer, FlatOptions
 from fsdp_sync.memory import MemoryMeter
 
 from .models import decoder_layer_cls, device, tiny_lm, train_step
@@ -47,7 +47,7 @@ def two_syncs(rank: int, world_size: int, backend: str, params: str) -> dict[str
     dtype, engine = getattr(torch, params), torch.bfloat16
     wrapped = _wrap(backend, dtype)
     cls = FSDP1FlatGatherer if backend == "fsdp1" else FSDP2FlatGatherer
-    gatherer = cls(wrapped, engine_dtype=engine)
+    gatherer = cls(wrapped, FlatOptions(engine_dtype=engine))
     meter = MemoryMeter(device())
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.5)
     results = []
@@ -83,7 +83,7 @@ def unsharded_root(rank: int, world_size: int) -> dict[str, object]:
     wrapped = _wrap("fsdp2", torch.bfloat16)
     with torch.no_grad():
         wrapped(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device()))
-    gatherer = FSDP2FlatGatherer(wrapped, engine_dtype=torch.bfloat16)
+    gatherer = FSDP2FlatGatherer(wrapped, FlatOptions(engine_dtype=torch.bfloat16))
     wrapped.reshard()
     meter = MemoryMeter(device())
     meter.start()

@@ -16,7 +16,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from fsdp_sync.compat.names import canonical_name
 from fsdp_sync.gather import FSDP1FlatGatherer, FSDP1RootSummonGatherer, FSDP1UnitGatherer
 from fsdp_sync.memory import MemoryMeter
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 
 from .models import device, decoder_layer_cls, full_reference, tiny_lm, train_step
 

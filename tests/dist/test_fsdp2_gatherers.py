@@ -13,10 +13,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from fsdp_sync.gather import FSDP2FlatGatherer, FSDP2ParamGatherer, FSDP2UnitGatherer
+from fsdp_sync.gather import FlatOptions, FSDP2FlatGatherer, FSDP2ParamGatherer, FSDP2UnitGatherer
 from fsdp_sync.gather.base import local_named_parameters
 from fsdp_sync.memory import MemoryMeter
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 
 from .models import device, full_reference, tiny_lm, train_step
 
@@ -49,7 +49,7 @@ def gather_scenario(
     if strategy == "unit":
         gatherer = FSDP2UnitGatherer(model, engine_dtype=engine_dtype)
     elif strategy == "flat":
-        gatherer = FSDP2FlatGatherer(model, engine_dtype=engine_dtype)
+        gatherer = FSDP2FlatGatherer(model, FlatOptions(engine_dtype=engine_dtype))
     else:
         gatherer = FSDP2ParamGatherer(model)
     specs = gatherer.specs()
@@ -122,7 +122,7 @@ def test_fsdp2_uneven_shards(strategy: str) -> None:
 def prefetch_scenario(rank: int, world_size: int, prefetch_bytes: int) -> dict[str, int]:
     model = tiny_lm()
     _shard(model, world_size, shard_root=True, mp=None)
-    gatherer = FSDP2FlatGatherer(model, engine_dtype=torch.bfloat16, prefetch_bytes=prefetch_bytes)
+    gatherer = FSDP2FlatGatherer(model, FlatOptions(engine_dtype=torch.bfloat16, prefetch_bytes=prefetch_bytes))
     meter = MemoryMeter(device())
     meter.start()
     for _ in gatherer.iter_full(meter):  # each tensor dropped when the next is taken, as a copying writer does

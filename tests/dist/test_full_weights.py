@@ -15,7 +15,7 @@ from fsdp_sync import full_module, iter_full_weights
 from fsdp_sync.backend import unwrap_outer
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name
 from fsdp_sync.full_weights import FullWeights
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 
 from .models import full_reference, tiny_lm, train_step, wrap
 

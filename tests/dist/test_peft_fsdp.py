@@ -20,7 +20,7 @@ from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor, TensorSpec
 from fsdp_sync.assemble import build_sync
 from fsdp_sync.backend import user_model
 from fsdp_sync.config import SyncConfig
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 
 from .models import device, decoder_layer_cls, tiny_lm, train_step
 

@@ -13,8 +13,8 @@ from fsdp_sync.config import SyncConfig
 from fsdp_sync.gather import make_gatherer
 from fsdp_sync.memory import MemoryMeter
 from fsdp_sync.sync.patches import gather_patches
-from fsdp_sync.sync.sparse import Snapshot
-from fsdp_sync._demo.dist import run_distributed
+from fsdp_sync.sync.snapshot import Snapshot
+from tests.support.dist import run_distributed
 
 from .models import tiny_lm, train_step, wrap
 

@@ -24,7 +24,7 @@ from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import EngineState, SyncError
 from fsdp_sync.gather import make_gatherer
 from fsdp_sync.sync.pipeline import WeightSync
-from fsdp_sync._demo.dist import run_distributed
+from tests.support.dist import run_distributed
 from fsdp_sync.writers import EnginePushError
 
 from .faultcheck import check_failed_everywhere, error_record

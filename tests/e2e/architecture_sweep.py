@@ -197,13 +197,14 @@ def sweep_family(family: str, root: Path) -> dict[str, Any]:
             engine_tensors(handle.model, parameters_only=True), checkpoint, packed, handle.dtype,
             load_dtypes=loads, skip=transformed,
         )  # fmt: skip
+        flat = report.as_dict()  # each mode's figures, at their defaults where the mode did not run
         entry = {
             "kind": kind,
             "complete": report.complete,
             "tensors": report.tensors,
-            "skipped": report.skipped_tensors,
+            "skipped": flat["skipped_tensors"],
             "sparse": report.sparse,
-            "patched": report.patched_tensors,
+            "patched": flat["patched_tensors"],
             "verified": report.verified,
             "unverifiable": report.unverifiable,
             "direct_checked": direct_checked,
@@ -312,9 +313,10 @@ def server_family(
             return {**record, "outcome": "failed"}
         current = reference_logprobs(trainer, tokenizer)
         got = server_logprobs(server["base_url"], info.served_name, tokenizer)
+        flat = report.as_dict()  # each mode's figures, at their defaults where the mode did not run
         entry = {
-            "kind": kind, "complete": report.complete, "skipped": report.skipped_tensors, "sparse": report.sparse,
-            "patched": report.patched_tensors, "verified": report.verified, "unverifiable": report.unverifiable,
+            "kind": kind, "complete": report.complete, "skipped": flat["skipped_tensors"], "sparse": report.sparse,
+            "patched": flat["patched_tensors"], "verified": report.verified, "unverifiable": report.unverifiable,
             "logprob_to_current": round(distance(got, current), 4),
             "logprob_to_previous": round(distance(got, previous), 4),
         }  # fmt: skip

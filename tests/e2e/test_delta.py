@@ -5,7 +5,7 @@ LoRA on q_proj/v_proj changes only parts of vLLM's fused `qkv_proj` (the whole f
 linear layers changes every linear weight (norms and the embedding are skipped); a frozen embedding is skipped.
 A skipped weight changed in place between two syncs must be found, sent and logged; `requires_grad` flipped between
 two syncs must make the next sync complete. After every sync the engine is checked against the trainer's full
-weights, bit for bit (`fsdp_sync._demo.grpo_job`).
+weights, bit for bit (`tests.support.grpo_job`, the demo job with the tests' additions).
 """
 
 from __future__ import annotations

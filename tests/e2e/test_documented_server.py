@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from fsdp_sync._demo.dist import free_port
+from tests.support.dist import free_port
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
 from .documented import DocumentedServer, documented_command as documented

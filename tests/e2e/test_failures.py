@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from fsdp_sync.faults import FAULT_POINTS
-from fsdp_sync._demo.dist import free_port
+from tests.support.dist import free_port
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
 from .helpers import WRAPPER_FLAG, run_grpo
@@ -250,7 +250,7 @@ def test_a_rank_failing_in_the_last_collectives_of_a_server_sync(
     checkpoints, server: VLLMServerProcess, tmp_path: Path
 ) -> None:
     """The commit point (issue 47), GRPOTrainer in server mode, FSDP1, 2 ranks: rank 1's
-    `torch.distributed.monitored_barrier` raises (injected from outside the library, `fsdp_sync._demo.outside_faults`)
+    `torch.distributed.monitored_barrier` raises (injected from outside the library, `tests.support.outside_faults`)
     in the agreement before the last of sync 2 (the push's: rank 0 has written the server's weights, not stamped
     them) and in the last agreement of sync 4 (after rank 0 stamped the server). Sync 2: nothing moves, every rank's
     error is not landed, rank 0's names the version the server still serves. Sync 4: every rank raises it as landed;

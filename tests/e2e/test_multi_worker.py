@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_sync._demo.dist import free_port
+from tests.support.dist import free_port
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
 from .helpers import assert_synced_every_time, checkpoint_tensor_count, run_grpo
@@ -192,11 +192,11 @@ def test_async_trainer_staged_syncs_into_a_data_parallel_server(
 
 
 def _async_staged(server: VLLMServerProcess, model_dir, tmp_path, backend: str, workers: list[str]) -> None:
-    from fsdp_sync._demo.launch import launch_job
+    from tests.support.launch import launch_job
 
     args = ["--model-dir", str(model_dir), "--out-dir", str(tmp_path), "--server-url", server.base_url,
             "--group-port", str(free_port()), "--steps", "1", "--check"]  # fmt: skip
-    result = launch_job("fsdp_sync._demo.async_job", args, tmp_path, backend=backend, num_processes=2, timeout=900)
+    result = launch_job("tests.support.async_job", args, tmp_path, backend=backend, num_processes=2, timeout=900)
     assert result.returncode == 0, result.log[-6000:]
     flag = {"fsdp1": "is_fsdp1", "fsdp2": "is_fsdp2"}[backend]
     for r in result.ranks:

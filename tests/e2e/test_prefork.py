@@ -1,6 +1,6 @@
-"""The fork server that starts the end-to-end jobs' ranks (fsdp_sync/_demo/prefork.py) behaves as `accelerate launch`.
+"""The fork server that starts the end-to-end jobs' ranks (tests/support/prefork.py) behaves as `accelerate launch`.
 
-Its probe (`python -m fsdp_sync._demo.prefork dump-env DIR`) writes each rank's environment and pid; the same probe
+Its probe (`python -m tests.support.prefork dump-env DIR`) writes each rank's environment and pid; the same probe
 is launched for real and forked, and the two compared.
 """
 
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_sync._demo.launch import launch_env, launch_job
-from fsdp_sync._demo.prefork import PREFORK_ENV, PreforkServer
+from tests.support.launch import launch_env, launch_job
+from tests.support.prefork import PREFORK_ENV, PreforkServer
 
 pytestmark = pytest.mark.e2e
 
-PROBE = "fsdp_sync._demo.prefork"
+PROBE = "tests.support.prefork"
 # What the fork server sets differently, on purpose (see prefork.py), and what pytest changes from test to test.
 EXPECTED_DIFFERENCES = {"MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "PYTEST_CURRENT_TEST"}
 

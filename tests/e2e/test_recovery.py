@@ -1,7 +1,7 @@
 """Recovery after the vLLM server goes away and comes back (issue 27), on the real stack: TRL GRPO with the mixin,
 real FSDP on 2 gloo ranks, the session's real vLLM server process (gloo transfer), which the test itself stops
 (SIGSTOP) and resumes, kills (SIGKILL of its whole process group) and starts again on the same port, between or
-during the job's syncs (`fsdp_sync._demo.server_actions`: the job asks, the test acts).
+during the job's syncs (`tests.support.server_actions`: the job asks, the test acts).
 
 For every such fault: the sync it hits fails on every rank within `sync_timeout_s` (a stopped server) or at once (a
 dead one), each rank saying what happened; the very next sync is complete and bit-exact (every server weight read
@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from fsdp_sync._demo.dist import free_port
-from fsdp_sync._demo.server_actions import ServerActor
+from tests.support.dist import free_port
+from tests.support.server_actions import ServerActor
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
 from .helpers import WRAPPER_FLAG, run_grpo

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_sync._demo.dist import free_port
-from fsdp_sync._demo.vllm_release import release_dir
+from tests.support.dist import free_port
+from tests.support.vllm_release import release_dir
 from fsdp_sync._demo.vllm_server import VLLMServerProcess, server_weight_digests
 
 from .helpers import assert_synced_every_time, checkpoint_numel, checkpoint_tensor_count, run_grpo

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_sync._demo.dist import free_port
+from tests.support.dist import free_port
 from fsdp_sync._demo.vllm_server import VLLMServerProcess
 from fsdp_sync.transfer.plugin import SPARSE_ENV
 

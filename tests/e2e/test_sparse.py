@@ -1,7 +1,7 @@
 """Sparse syncs on the real stack (TRL GRPOTrainer + mixin, 2 gloo ranks, FSDP1 and FSDP2, the real vLLM CPU engine
 in each rank): after the first complete sync, each sync sends the bf16 elements that changed as patches, written in
 place through vLLM's `load_checkpoint_weight_patches`; after every sync every engine weight equals the trainer's,
-bit for bit (`fsdp_sync._demo.grpo_job --check`), and the report gives the changed fraction and the bytes.
+bit for bit (`tests.support.grpo_job --check`), and the report gives the changed fraction and the bytes.
 """
 
 from __future__ import annotations

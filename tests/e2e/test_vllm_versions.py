@@ -79,7 +79,7 @@ def test_server_mode_with_a_trl_that_speaks_trl_vllm_serve_is_refused_on_every_r
     with TRL 0.29 against vLLM's server: its generation requests answered 404, after the first sync). The mixin
     refuses such a trainer in server mode when it is built, on every rank, before the server is contacted."""
     from fsdp_sync.compat.trl_api import server_mode_problem
-    from fsdp_sync._demo.dist import free_port
+    from tests.support.dist import free_port
 
     from .helpers import run_grpo
 

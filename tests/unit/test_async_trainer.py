@@ -27,7 +27,7 @@ from fsdp_sync.errors import SyncError, UnsupportedSetupError
 from fsdp_sync.server_client import ServerRequestError
 from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.trainers.async_grpo import AsyncGRPOSeam, MixinWeightTransfer
-from fsdp_sync._demo.dist import free_port
+from tests.support.dist import free_port
 from fsdp_sync.transfer import gloo, gloo_wire
 from fsdp_sync.writers import server as server_writer
 from fsdp_sync.writers.server import ServerPushError, ServerWriter
@@ -398,6 +398,7 @@ def test_every_engine_the_factory_makes_applies_the_reload_fixes_before_its_upda
     from vllm.v1.worker.worker_base import WorkerBase
 
     from fsdp_sync.compat import vllm_patches
+    from fsdp_sync.transfer import questions
 
     calls: list[str] = []
 
@@ -416,7 +417,9 @@ def test_every_engine_the_factory_makes_applies_the_reload_fixes_before_its_upda
     engine = WeightTransferEngineFactory.create_engine(SimpleNamespace(backend="fvs-test"), None, "cpu", model)
     engine.start_weight_update()
     assert calls == ["moe", "gpt-oss", "vllm's start"]
-    assert getattr(WorkerBase, vllm_patches.ENGINE_FIXES_METHOD)(None) == list(vllm_patches.ENGINE_FIXES)
+    questions.install()
+    answer = getattr(WorkerBase, questions.ASK_METHOD)(None, "engine_fixes", [], questions.Route.FIRST_REPLICA.value)
+    assert answer["answer"] == list(vllm_patches.ENGINE_FIXES)
 
 
 def _gpt_oss_checkpoint(tmp_path: Path) -> str:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdp_sync.backend import Backend, UnsupportedBackendError, detect_backend, unwrap_outer, user_model
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.memory import MemoryMeter
-from fsdp_sync._demo.dist import free_port
+from tests.support.dist import free_port
 
 CPU = torch.device("cpu")
 

@@ -14,10 +14,12 @@ import torch
 
 from fsdp_sync.compat.engine_api import EngineLayout, EngineNaming
 from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
-from fsdp_sync.sync.delta import DeltaTracker, EngineGroups, fingerprints
+from fsdp_sync.sync.delta import DeltaTracker, EngineGroups
+from fsdp_sync.sync.fingerprint import fingerprints
 from fsdp_sync.assemble import policy_for
 from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.config import SyncConfig
+from fsdp_sync.report import DeltaFigures, SyncReport
 
 from .test_pipeline import EMBED, NORM, Q_PROJ, WRAPPED_EMBED, WRAPPED_NORM, WRAPPED_Q_PROJ, FakeGatherer, FakeWriter
 from .test_pipeline import _manifest_for, _tensors
@@ -133,7 +135,7 @@ def test_a_trainable_part_of_a_fused_module_sends_the_whole_module() -> None:
 def test_fingerprints_see_one_changed_element_and_a_swap(dtype: torch.dtype, size: int) -> None:
     """Both fingerprints (CRC-32 on the CPU; position-weighted int64 sums, used on accelerators, run here on the
     CPU) change with one changed element and with two swapped ones, and are equal for equal tensors."""
-    from fsdp_sync.sync.delta import _crc_fingerprint, _sum_fingerprint
+    from fsdp_sync.sync.fingerprint import _crc_fingerprint, _sum_fingerprint
 
     torch.manual_seed(0)
     base = torch.randn(size, dtype=dtype)
@@ -153,7 +155,7 @@ def test_the_accelerators_fingerprint_takes_a_shard_that_starts_between_words() 
     """A float32 shard at an odd offset of its flat buffer (4-byte aligned, not 8) cannot be viewed as int64 words: the
     sums take it by element, and still see one changed element. Found on an H100, where the sums run (the CPU takes
     the CRC); computed here on the CPU."""
-    from fsdp_sync.sync.delta import _sum_fingerprint
+    from fsdp_sync.sync.fingerprint import _sum_fingerprint
 
     flat = torch.randn(2 * 8191 + 9)
     shard = flat[1:]
@@ -179,15 +181,22 @@ def _q_proj_trained(**options: bool) -> tuple[dict[str, torch.Tensor], FakeGathe
     return tensors, gatherer, writer, sync
 
 
+def _delta(report: SyncReport) -> DeltaFigures:
+    """The report's delta figures (a sync with `SyncConfig(delta=True)` always has them)."""
+    figures = report.figure(DeltaFigures)
+    assert figures is not None
+    return figures
+
+
 def test_first_sync_complete_then_only_the_trainable_weights() -> None:
     tensors, gatherer, writer, sync = _q_proj_trained()
     first = sync.sync()
-    assert first.complete and first.skipped_tensors == 0 and first.tensors == 3
+    assert first.complete and _delta(first).skipped_tensors == 0 and first.tensors == 3
     second = sync.sync()
     assert not second.complete
     assert [name for name, _ in writer.received] == [Q_PROJ]
     assert gatherer.selects[-1] == frozenset({WRAPPED_Q_PROJ}), "only the needed units are gathered"
-    assert second.skipped_tensors == 2 and second.skipped_bytes == (16 * 8 + 8) * 4
+    assert _delta(second).skipped_tensors == 2 and _delta(second).skipped_bytes == (16 * 8 + 8) * 4
     assert second.bytes < first.bytes
     assert writer.prepared == tuple(t for t in sync.checked_plan.tensors if t.name == Q_PROJ)  # type: ignore[union-attr]
 
@@ -200,7 +209,7 @@ def test_a_skipped_weight_changed_in_place_is_found_sent_and_logged(caplog: pyte
         tensors[WRAPPED_NORM][2] += 1  # behind the optimizer's back
     with caplog.at_level(logging.WARNING, logger="fsdp_sync.sync.delta"):
         report = sync.sync()
-    assert report.changed_skipped == 1
+    assert _delta(report).changed_skipped == 1
     assert sorted(name for name, _ in writer.received) == sorted([Q_PROJ, NORM])
     assert torch.equal(dict(writer.received)[NORM], tensors[WRAPPED_NORM])
     assert NORM in caplog.text and "changed since they were last pushed" in caplog.text
@@ -247,4 +256,4 @@ def test_without_the_check_the_delta_still_applies_after_the_first_sync() -> Non
     assert sync.sync().complete
     report = sync.sync()
     assert not report.complete and [name for name, _ in writer.received] == [Q_PROJ]
-    assert report.check_seconds >= 0 and report.changed_skipped == 0
+    assert _delta(report).check_seconds >= 0 and _delta(report).changed_skipped == 0

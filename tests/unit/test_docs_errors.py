@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 import fsdp_sync
-from fsdp_sync._demo.dist import free_port
+from tests.support.dist import free_port
 from fsdp_sync.distributed import Coordinator, agreed
 from fsdp_sync.errors import RankFailure, agreed_error
 

@@ -36,16 +36,8 @@ METHODS = {"allgather", "allreduce", "broadcast", "barrier", "summon_full_params
 
 # (module, function or method) -> why it does not go through the guard, and what bounds it.
 OUTSIDE: dict[tuple[str, str], str] = {
-    ("_demo/dist.py", "init_process_group"): "the demo's launcher builds the training world, no sync",
-    ("_demo/dist.py", "barrier"): "the demo's launcher waits for its ranks at exit, no sync",
-    ("_demo/dist.py", "destroy_process_group"): "the demo's launcher at exit",
     ("_demo/grpo_job.py", "destroy_process_group"): "the demo job at exit",
     ("_demo/grpo_job.py", "monitored_barrier"): "the demo job's own bounded barrier at exit, no sync",
-    ("_demo/outside_faults.py", "monitored_barrier"): "the tests' fault from outside the library wraps torch's "
-    "function (it calls the original, which the library called through its guard)",
-    ("_demo/grpo_job.py", "all_gather_into_tensor"): "the demo job's test-side oracle (`UnshardCounter`) wraps "
-    "torch's function to count what an adapter sync's all-gathers move; it calls no collective of its own (the "
-    "sync's calls it counts go through the guard, `adapter.pieces`)",
     ("dry_run.py", "init_process_group"): "the dry run's one-process world",
     ("dry_run.py", "destroy_process_group"): "the dry run's one-process world",
     ("distributed.py", "new_group"): "the sync's own groups made (a collective of the training world's store, "

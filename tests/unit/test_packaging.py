@@ -61,3 +61,44 @@ def test_lazy_top_level_does_not_import_the_runtime() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]"
+
+
+# What `fsdp_sync._demo` ships: the demo's job, its weight check and what they run (`fsdp-vllm-sync-demo`). The test
+# job, its faults and probes, the fork server and the distributed launcher live in `tests/support` and never ship.
+DEMO_MODULES = {
+    "__init__", "after_import", "cpu_fsdp", "engine", "grpo_job", "launch", "models", "no_torchvision",
+    "vllm_server", "weight_check", "site/__init__", "site/sitecustomize",
+}  # fmt: skip
+
+
+def test_the_wheel_holds_the_library_and_the_demo_and_no_test_machinery(tmp_path: Path) -> None:
+    """The wheel a user installs, built from the tracked sources: only `fsdp_sync` (with `compat` under it), the
+    demo's modules in `_demo` (under 3,000 lines), and no module that imports the tests."""
+    import shutil
+    import zipfile
+
+    source = tmp_path / "source"
+    for part in ("fsdp_sync", "compat"):
+        shutil.copytree(ROOT / part, source / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / part, source / part)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
+        cwd=source, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("fsdp_vllm_sync-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        modules = {n: archive.read(n).decode() for n in archive.namelist() if n.endswith(".py")}
+    outside = sorted(n for n in modules if not n.startswith("fsdp_sync/"))
+    assert not outside, f"the wheel holds modules outside fsdp_sync/: {outside}"
+    demo = {n.removeprefix("fsdp_sync/_demo/").removesuffix(".py") for n in modules if n.startswith("fsdp_sync/_demo/")}
+    assert demo == DEMO_MODULES, f"_demo ships {sorted(demo - DEMO_MODULES)} beyond the demo; lacks {sorted(DEMO_MODULES - demo)}"
+    demo_lines = sum(modules[f"fsdp_sync/_demo/{m}.py"].count("\n") for m in demo)
+    assert demo_lines < 3000, f"_demo ships {demo_lines} lines"
+    importing_tests = sorted(
+        n for n, text in modules.items() if any(line.lstrip().startswith(("from tests", "import tests"))
+                                                 for line in text.splitlines())
+    )  # fmt: skip
+    assert not importing_tests, f"shipped modules import the tests: {importing_tests}"
+    assert "fsdp_sync/compat/__init__.py" in modules and "fsdp_sync/mixin.py" in modules

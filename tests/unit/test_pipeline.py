@@ -713,15 +713,18 @@ def test_engine_digests_accept_a_16_bit_bias_the_engine_widened_to_float32_and_n
     assert bad.mismatched == [f"{prefix}.o_proj.weight", f"{prefix}.qkv_proj.bias"]
 
 
-def test_report_figures_typed_per_mode_read_as_attributes_with_defaults() -> None:
-    """A mode's figures read as attributes of the report; a mode that did not run reads at its defaults; `as_dict`
-    holds every mode's figures flat."""
+def test_report_figures_typed_per_mode_read_through_their_type() -> None:
+    """A mode's figures are read through their type (None where the mode did not run); `complete` and `sparse` are
+    the report's own, for every mode; `as_dict` holds every mode's figures flat, at their defaults where the mode did
+    not run. No mode's figure reads as an attribute of the report."""
     from fsdp_sync.report import AdapterFigures, DeltaFigures, SparseFigures
 
     delta = DeltaFigures(complete=False, skipped_tensors=3, skipped_bytes=12, changed_skipped=1, check_seconds=0.5)
     report = SyncReport(1.0, 10, 1, 0, "accounted", "plain", "plain", "fake", figures=(delta,))
-    assert (report.complete, report.skipped_tensors, report.skipped_bytes) == (False, 3, 12)
-    assert not report.sparse and report.patch_bytes == 0 and report.adapter_id == 0
+    read = report.figure(DeltaFigures)
+    assert read is delta and (report.complete, read.skipped_tensors, read.skipped_bytes) == (False, 3, 12)
+    assert not report.sparse and report.figure(SparseFigures) is None and report.figure(AdapterFigures) is None
+    assert report.as_dict()["patch_bytes"] == 0 and report.as_dict()["adapter_id"] == 0
     assert "delta: 3 tensors" in report.summary()
     sparse = SparseFigures(patched=True, patched_tensors=2, diffed_elements=10, changed_elements=5, patch_bytes=2e9)
     both = SyncReport(1.0, 10, 1, 0, "accounted", "plain", "plain", "fake", figures=(delta, sparse))
@@ -730,9 +733,11 @@ def test_report_figures_typed_per_mode_read_as_attributes_with_defaults() -> Non
     assert record["skipped_tensors"] == 3 and record["patched_tensors"] == 2 and record["adapter_tensors"] == 0
     assert "figures" not in record
     adapter = SyncReport(1.0, 10, 4, 0, "accounted", "plain", "plain", "fake", figures=(AdapterFigures(7, 4),))
-    assert adapter.adapter_id == 7 and adapter.complete and adapter.metrics()["weight_sync/adapter_id"] == 7.0
-    with pytest.raises(AttributeError):
-        report.no_such_figure  # noqa: B018
+    assert adapter.figure(AdapterFigures) == AdapterFigures(7, 4)
+    assert adapter.complete and adapter.metrics()["weight_sync/adapter_id"] == 7.0
+    for name in ("no_such_figure", "patch_bytes", "adapter_id", "skipped_tensors"):
+        with pytest.raises(AttributeError):
+            getattr(report, name)
 
 
 def test_engine_digests_check_what_a_delta_sync_did_not_send_against_the_last_verified_sync() -> None:

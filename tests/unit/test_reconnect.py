@@ -23,7 +23,7 @@ from fsdp_sync.errors import SyncError
 from fsdp_sync.assemble import policy_for
 from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.server_client import ServerRequestError, ServerRouteMissing, ServerUnavailableError
-from fsdp_sync._demo.dist import free_port
+from tests.support.dist import free_port
 from fsdp_sync.transfer import gloo
 from fsdp_sync.writers.server import ServerWriter
 

@@ -24,8 +24,8 @@ from fsdp_sync.compat.weight_transfer import plan_source, source_metadata, sourc
 from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.sync.verify import EMPTY_DIGEST
 from fsdp_sync.server_client import ServerConfigError, ServerRequestError
-from fsdp_sync._demo.dist import free_port
-from fsdp_sync.transfer import gloo, gloo_trainer, gloo_wire, gloo_worker
+from tests.support.dist import free_port
+from fsdp_sync.transfer import gloo, gloo_trainer, gloo_wire, questions
 from fsdp_sync.writers import server as server_writer
 from fsdp_sync.writers.server import ServerPushError, ServerTransportError, ServerWriter, transport_for
 
@@ -305,19 +305,20 @@ def test_gloo_round_trip_is_bit_exact_over_a_real_group() -> None:
 
 
 class _AnsweringServer:
-    """A stand-in for `/collective_rpc` only: runs `gloo_worker.answer_over_transfer` on each of its workers (each
-    a real gloo rank of the transfer group, on a thread of its own, as vLLM runs the method on every worker of every
-    replica) and answers with the first worker's result only, as vLLM does for a data-parallel server."""
+    """A stand-in for `/collective_rpc` only: runs `questions.answer` (the method `questions.install` gives vLLM's
+    workers) on each of its workers (each a real gloo rank of the transfer group, on a thread of its own, as vLLM
+    runs the method on every worker of every replica) and answers with the first worker's result only, as vLLM does
+    for a data-parallel server."""
 
     def __init__(self, workers: list[Any]) -> None:
         self.workers = workers
 
     def collective_rpc(self, method: str, args: list[Any]) -> list[Any]:
-        assert method == gloo_wire.ANSWER_METHOD
+        assert method == questions.ASK_METHOD
         results: list[Any] = [None] * len(self.workers)
 
         def run(i: int) -> None:
-            results[i] = gloo_worker.answer_over_transfer(self.workers[i], *args)
+            results[i] = questions.answer(self.workers[i], *args)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(self.workers))]
         for t in threads:
@@ -327,11 +328,11 @@ class _AnsweringServer:
         return results[:1]
 
 
-def test_every_worker_answers_over_the_transfer_group_even_where_the_route_answers_for_one() -> None:
-    """`ask_workers`: each worker's answer (of a different length, tagged with its `/weight_checker` prefix)
-    reaches the trainer over a real gloo group, in transfer-rank order, though the route itself answers for the
-    first worker only; a question one worker cannot answer fails, naming that worker and its error, without
-    waiting for the group's timeout."""
+def test_every_worker_answers_over_the_transfer_group_even_where_the_route_answers_for_one(monkeypatch) -> None:
+    """`questions.ask`, a question answered over the group: each worker's answer (of a different length, tagged
+    with its `/weight_checker` prefix) reaches the trainer over a real gloo group, in transfer-rank order, though the
+    route itself answers for the first worker only; a question one worker cannot answer fails, naming that worker
+    and its error, without waiting for the group's timeout."""
     port = free_port()
     host = gloo_wire.listen("127.0.0.1", port, 3, timeout_s=30)
     tags = ["dp0:pp0:pcp0:tp0", "dp1:pp0:pcp0:tp0"]
@@ -344,21 +345,22 @@ def test_every_worker_answers_over_the_transfer_group_even_where_the_route_answe
               for i in range(2)]  # fmt: skip
     for t in opened:
         t.start()
-    trainer = gloo.GlooTrainerWeightTransferEngine(client=_AnsweringServer(workers), source=None, timeout_s=30)  # type: ignore[arg-type]
+    trainer = gloo.GlooTrainerWeightTransferEngine(client=None, source=None, timeout_s=30)  # type: ignore[arg-type]
     trainer.group = gloo_wire.open_group("127.0.0.1", port, 0, 3, timeout_s=30)
     for t in opened:
         t.join(timeout=60)
-    questions = dict(gloo_worker._QUESTIONS)
-    try:
-        gloo_worker._QUESTIONS["where"] = lambda worker, n: [worker._weight_checksum_prefix()] * n
-        answers = trainer.ask_workers("where", 2)
-        assert answers == [{"worker": t, "answer": [t + ":"] * 2} for t in tags]
-        gloo_worker._QUESTIONS["where"] = lambda worker, n: 1 / (worker is workers[0])
-        with pytest.raises(RuntimeError, match=r"could not answer where: dp1:pp0:pcp0:tp0: ZeroDivisionError"):
-            trainer.ask_workers("where", 0)
-    finally:
-        gloo_worker._QUESTIONS.clear()
-        gloo_worker._QUESTIONS.update(questions)
+    server = _AnsweringServer(workers)
+
+    def declare(answers: Any) -> None:
+        where = questions.Question("where", (int,), list[str], answers, questions.Route.EVERY_REPLICA)
+        monkeypatch.setitem(questions.QUESTIONS, "where", where)
+
+    declare(lambda worker, n: [worker._weight_checksum_prefix()] * n)
+    answers = questions.ask(server, "where", 2, transfer=trainer)
+    assert answers == [{"worker": t, "answer": [t + ":"] * 2} for t in tags]
+    declare(lambda worker, n: 1 / (worker is workers[0]))
+    with pytest.raises(RuntimeError, match=r"could not answer where: dp1:pp0:pcp0:tp0: ZeroDivisionError"):
+        questions.ask(server, "where", 0, transfer=trainer)
     del host
 
 

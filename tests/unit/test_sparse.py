@@ -1,4 +1,4 @@
-"""The snapshot and patches of sparse delta syncs (`fsdp_sync.sync.sparse`, `fsdp_sync.sync.patches`), in one process."""
+"""The snapshot and patches of sparse delta syncs (`fsdp_sync.sync.snapshot`, `fsdp_sync.sync.patches`), in one process."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from fsdp_sync.gather.base import Piece
 from fsdp_sync.sync.patches import Patch, gather_patches
-from fsdp_sync.sync.sparse import Snapshot
+from fsdp_sync.sync.snapshot import Snapshot
 
 
 def _piece(values: torch.Tensor, start: int = 0, name: str = "w") -> Piece:

@@ -16,6 +16,7 @@ from fsdp_sync.compat.patch_api import EnginePatch
 from fsdp_sync.config import SyncConfig
 from fsdp_sync.errors import SyncError
 from fsdp_sync.memory import MemoryMeter
+from fsdp_sync.report import SparseFigures, SyncReport
 from fsdp_sync.assemble import policy_for
 from fsdp_sync.sync.pipeline import WeightSync
 from fsdp_sync.gather.base import Piece, replica_piece
@@ -133,26 +134,35 @@ def _config(**kw: object) -> SyncConfig:
     return SyncConfig(sparse=True, check_manifest=False, **kw)  # type: ignore[arg-type]
 
 
+def _sparse(report: SyncReport) -> SparseFigures:
+    """The report's sparse figures (a sync with `SyncConfig(sparse=True)` always has them)."""
+    figures = report.figure(SparseFigures)
+    assert figures is not None
+    return figures
+
+
 def test_dense_first_then_patches_and_dense_over_the_threshold_with_its_engine_module() -> None:
     tensors = _model()
     engine = Engine(tensors)
     sync = WeightSync(Gatherer(tensors), engine, _config(sparse_max_density=0.1), policy=policy_for)
     first = sync.sync()
-    assert first.complete and not first.sparse and first.snapshot_bytes == sum(t.numel() * 2 for t in tensors.values())
+    assert first.complete and not first.sparse
+    assert _sparse(first).snapshot_bytes == sum(t.numel() * 2 for t in tensors.values())
     _exact(engine, tensors)
     _step(tensors, {Q: 0.01, K: 0.5, O: 0.02, NORM: 0.05})
     second = sync.sync()
     # Layer 0's qkv module changed over the threshold ((1% + 50% + 0) / 3): it goes whole (Q and V with K); the rest
     # as patches (a tensor without a change has no patch: nothing to write).
     assert second.sparse and engine.writes[-1] == [Q, K, V] and engine.patches[-1] == [O, NORM]
-    assert second.patched_tensors == 6 and second.tensors == 3 and second.patch_bytes > 0
-    assert second.changed_elements == int(4096 * 0.01) + int(4096 * 0.5) + int(4096 * 0.02) + int(64 * 0.05)
-    assert second.diffed_elements == 8 * 4096 + 64 and second.patched_elements == 5 * 4096 + 64
+    figures = _sparse(second)
+    assert figures.patched_tensors == 6 and second.tensors == 3 and figures.patch_bytes > 0
+    assert figures.changed_elements == int(4096 * 0.01) + int(4096 * 0.5) + int(4096 * 0.02) + int(64 * 0.05)
+    assert figures.diffed_elements == 8 * 4096 + 64 and figures.patched_elements == 5 * 4096 + 64
     _exact(engine, tensors)
     _step(tensors, {Q: 0.01})
     third = sync.sync()
     assert third.sparse and engine.patches[-1] == [Q] and len(engine.writes) == 2  # nothing whole, no write call
-    assert third.patched_tensors == 9 and third.changed_elements == int(4096 * 0.01)
+    assert _sparse(third).patched_tensors == 9 and _sparse(third).changed_elements == int(4096 * 0.01)
     _exact(engine, tensors)
 
 
@@ -167,7 +177,7 @@ def test_a_sync_that_goes_mostly_whole_backs_off_to_dense_syncs_then_tries_again
     for _ in range(BACKOFF_SYNCS + 2):
         _step(tensors, {n: 0.5 for n in tensors} if not kinds else {O: 0.01})
         report = sync.sync()
-        kinds.append((report.sparse, report.snapshot_bytes > 0))
+        kinds.append((report.sparse, _sparse(report).snapshot_bytes > 0))
         _exact(engine, tensors)
     # The sparse sync that went whole, BACKOFF_SYNCS dense syncs (the last one takes the snapshot again), sparse.
     assert kinds == [(True, False)] + [(False, False)] * (BACKOFF_SYNCS - 1) + [(False, True), (True, True)], kinds
@@ -193,7 +203,7 @@ def test_a_tensor_the_engine_cannot_patch_goes_whole_with_its_module_every_time(
     _step(tensors, {O: 0.01, V: 0.01})
     report = sync.sync()
     assert report.sparse and engine.writes[-1] == [Q, K, V] and engine.patches[-1] == [O]
-    assert report.patched_tensors == 6  # every tensor but layer 0's q, k and v
+    assert _sparse(report).patched_tensors == 6  # every tensor but layer 0's q, k and v
     _exact(engine, tensors)
 
 

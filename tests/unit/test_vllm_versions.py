@@ -26,7 +26,7 @@ from fsdp_sync.compat.engine_api import EngineNaming
 from fsdp_sync.compat.weight_transfer import plan_source, register_backends, source_metadata, source_tensors
 from fsdp_sync.sync.delta import EngineGroups
 from fsdp_sync.sync.verify import EngineDigests
-from fsdp_sync._demo.vllm_release import release_dir
+from tests.support.vllm_release import release_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASES = tomllib.loads((ROOT / ".ci" / "matrix.toml").read_text())["releases"]["vllm"]
@@ -52,7 +52,7 @@ def test_plan_source_reads_as_the_installed_vllm_expects() -> None:
 
 RELEASE_CHECK = """
 import sys, torch
-from fsdp_sync._demo.vllm_release import use_release
+from tests.support.vllm_release import use_release
 use_release(sys.argv[1])
 import vllm.distributed.weight_transfer.base as base
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine

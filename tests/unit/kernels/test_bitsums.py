@@ -15,7 +15,8 @@ import torch
 from fsdp_sync import bitsums
 from fsdp_sync.compat.engine_api import EngineNaming
 from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
-from fsdp_sync.sync.delta import _PERIOD, DeltaTracker, EngineGroups, _fingerprint, _sum_fingerprint, fingerprints
+from fsdp_sync.sync.delta import DeltaTracker, EngineGroups
+from fsdp_sync.sync.fingerprint import _PERIOD, _fingerprint, _sum_fingerprint, fingerprints
 from .support import CUDA, needs_kernels
 
 pytestmark = needs_kernels

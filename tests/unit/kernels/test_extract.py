@@ -15,7 +15,7 @@ import torch
 from fsdp_sync.kernels.extract import CHUNK, kind_of
 from fsdp_sync.gather.base import Piece
 from fsdp_sync.sync.patches import Patch, count_changes
-from fsdp_sync.sync.sparse import Snapshot
+from fsdp_sync.sync.snapshot import Snapshot
 
 from .support import needs_kernels
 

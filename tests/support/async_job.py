@@ -1,15 +1,15 @@
 """A short real run of TRL's `AsyncGRPOTrainer` (its rollout worker generating on a real vLLM server), checking the
 server after every weight sync.
 
-Launched once per rank (`accelerate launch ... -m fsdp_sync._demo.async_job`, or plainly for one process); each rank
+Launched once per rank (`accelerate launch ... -m tests.support.async_job`, or plainly for one process); each rank
 writes `<out>/rank<r>.json` with the wrapper type, the sync reports and, per sync (main process), the check:
 - every server weight equals the trainer's full weight bit for bit (the server's own sha256 digests against the
-  trainer's weights taken independently, `grpo_job.full_reference_model`), and its first-token logprobs equal the
+  trainer's weights taken independently, `fsdp_sync._demo.weight_check.full_reference_model`), and its first-token logprobs equal the
   trainer's model's;
 - the server's weight version names the trainer's `model_version`, and the rollout worker was told that version;
 - the rollouts the trainer consumed carry their policy version (recorded with the trainer's version at that time);
 - (main process) what the server answered to `GET /is_paused`, polled from a thread through the whole sync, against
-  when this process moved the sync's data (`fsdp_sync._demo.pause_watch`).
+  when this process moved the sync's data (`tests.support.pause_watch`).
 Before training the trainer's weights are perturbed away from the server's checkpoint, so the first sync must change
 every server weight. `--stock` runs TRL's own sync instead (no mixin), with a gloo stand-in for its NCCL client, and
 records what the server then holds.
@@ -28,7 +28,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from .grpo_job import PROMPTS, _reward, _wrapper_info, full_reference_model
+from fsdp_sync._demo.grpo_job import reward
+from fsdp_sync._demo.weight_check import PROMPTS, full_reference_model, wrapper_info
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -60,7 +61,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="SYNC:FROM_END",
-        help="fault injection from outside the library on the last rank (fsdp_sync._demo.outside_faults): its "
+        help="fault injection from outside the library on the last rank (tests.support.outside_faults): its "
         "torch.distributed.monitored_barrier raises in agreement FROM_END (0: the last) of sync SYNC (1-based); a "
         "sync that landed all the same is not tried again",
     )
@@ -112,10 +113,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     from fsdp_sync import FSDPVLLMSyncMixin, SyncConfig
-    from fsdp_sync._demo.async_cpu import enable_async_grpo_on_cpu
+    from tests.support.async_cpu import enable_async_grpo_on_cpu
     from fsdp_sync._demo.cpu_fsdp import enable_real_fsdp_on_cpu, restore_fsdp_distributed_type
-    from fsdp_sync._demo.grpo_job import AdapterServerChecker, ServerChecker
-    from fsdp_sync._demo.pause_watch import PauseWatch
+    from fsdp_sync._demo.weight_check import ServerChecker
+    from tests.support.checks import AdapterServerChecker
+    from tests.support.pause_watch import PauseWatch
     from fsdp_sync.faults import Injector, injecting
 
     enable_real_fsdp_on_cpu()
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
     checks: list[dict[str, Any]] = record["checks"]
     sync_index = {"n": 0}
-    from fsdp_sync._demo.outside_faults import BarrierFaults
+    from tests.support.outside_faults import BarrierFaults
 
     barriers = BarrierFaults(args.barrier_fault, rank == world - 1)
     record["barrier_faults"] = barriers.fired
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def _sync_weight(self) -> None:
             sync_index["n"] += 1
             # NOTE: written before TRL's sync, which may die (FSDP1): the test asserts the wrapper it ran under.
-            (Path(args.out_dir) / f"wrapper-rank{rank}.json").write_text(json.dumps(_wrapper_info(self.model_wrapped)))
+            (Path(args.out_dir) / f"wrapper-rank{rank}.json").write_text(json.dumps(wrapper_info(self.model_wrapped)))
             started = time.perf_counter()
             super()._sync_weight()
             record["sync_seconds"].append(time.perf_counter() - started)
@@ -246,11 +248,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     stand_in = None
     if args.stock:
-        from fsdp_sync._demo.stock_async import GlooStandIn
+        from tests.support.stock_async import GlooStandIn
 
         stand_in = GlooStandIn(args.server_url, args.group_port) if rank == 0 else None
         trainer = StockTrainer(
-            model=args.model_dir, reward_funcs=_reward, args=config, train_dataset=dataset, processing_class=tokenizer,
+            model=args.model_dir, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
             weight_transfer=stand_in, peft_config=peft_config,
         )  # fmt: skip
         if stand_in is not None:
@@ -266,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             server_timeout_s=min(args.sync_timeout_s - 5, 60.0),
         )
         trainer = Trainer(
-            model=args.model_dir, reward_funcs=_reward, args=config, train_dataset=dataset, processing_class=tokenizer,
+            model=args.model_dir, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
             sync_config=sync_config, peft_config=peft_config,
         )  # fmt: skip
     restore_fsdp_distributed_type(trainer)
@@ -278,7 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     versions = _RolloutVersions(trainer) if trainer.accelerator.is_main_process else None
     names = Path(args.out_dir) / "rollout-names.txt"
     if args.adapter and trainer.rollout_worker is not None:
-        from fsdp_sync._demo.rollout_names import NAMES_ENV, RecordingLoop
+        from tests.support.rollout_names import NAMES_ENV, RecordingLoop
 
         # Test-side: the rollout process records the model of each request it sends (read from outside the library).
         os.environ[NAMES_ENV] = str(names)
@@ -307,7 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         checks.append(entry)
 
     trainer.train()
-    record["wrapper"] = _wrapper_info(trainer.model_wrapped)
+    record["wrapper"] = wrapper_info(trainer.model_wrapped)
     record["model_version"] = trainer.model_version
     record["syncs"] = [r.as_dict() for r in getattr(trainer, "sync_reports", [])]
     record["rollout_versions"] = versions.seen if versions is not None else []

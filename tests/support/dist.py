@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..distributed import free_port
+from fsdp_sync.distributed import free_port
 
 __all__ = ["free_port", "run_distributed"]
 
@@ -25,7 +25,7 @@ __all__ = ["free_port", "run_distributed"]
 # interpreter each (`spawn`): importing torch and transformers was most of a small distributed test's CPU time on the
 # 2-core CI machine (docs/testing.md). The server holds no thread when it forks; a rank still gets a process and a
 # gloo group of its own.
-_PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "fsdp_sync", "fsdp_sync._demo.dist"]
+_PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "fsdp_sync", "tests.support.dist"]
 
 
 def _entry(

@@ -56,8 +56,8 @@ _PRELOAD = (
     "vllm.entrypoints.llm",
     "fsdp_sync",
     "fsdp_sync.mixin",
-    "fsdp_sync._demo.grpo_job",
-    "fsdp_sync._demo.async_job",
+    "tests.support.grpo_job",
+    "tests.support.async_job",
 )
 # Variables that change from test to test, or that a library of the test process sets when first used, after the
 # server started: not compared; the ranks get the job's values in their environment (and pass them on to whatever
@@ -66,7 +66,7 @@ _PRELOAD = (
 # loads OpenCV); VLLM_LOGGING_LEVEL=ERROR (read when vLLM's logger is configured: a forked rank logs at the
 # server's level, more lines, no other effect).
 _VOLATILE = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "LD_LIBRARY_PATH", "VLLM_LOGGING_LEVEL"})
-_MODULE = "fsdp_sync._demo.prefork"  # `__name__` is "__main__" in the server
+_MODULE = "tests.support.prefork"  # `__name__` is "__main__" in the server
 # torchrun's grace period between SIGTERM and SIGKILL for the ranks left when one failed.
 _TERM_GRACE_S = 30.0
 

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from .vllm_server import VLLMServerProcess
+from fsdp_sync._demo.vllm_server import VLLMServerProcess
 
 __all__ = ["ACTIONS", "ServerActions", "ServerActor"]
 
