@@ -322,14 +322,24 @@ def _split(full: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], d
 def _merged(
     base: Mapping[str, torch.Tensor], lora: Mapping[str, torch.Tensor], scaling: float
 ) -> dict[str, torch.Tensor]:
-    """PEFT's merge of every adapted weight (`weight += (lora_B @ lora_A) * scaling`, in the weight's dtype)."""
+    """PEFT's merge of every adapted weight (`weight += (lora_B @ lora_A) * scaling`, in the weight's dtype).
+
+    NOTE: as PEFT's `get_delta_weight` computes the delta: on the CPU, half-precision adapters are multiplied in
+    float32 and the delta cast back (CPU matmuls in bf16 round otherwise: a reference in bf16 differed from PEFT's
+    merge in a few tensors of every 2-rank CPU run, while the library, which calls PEFT's function, was right).
+    """
     out = dict(base)
     for key in lora:
         module, _, which = key.rpartition(".")
         if which != "lora_A":
             continue
+        b, a = lora[f"{module}.lora_B"], lora[f"{module}.lora_A"]
+        if b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16):
+            delta = ((b.float() @ a.float()) * scaling).to(b.dtype)
+        else:
+            delta = (b @ a) * scaling
         merged = base[f"{module}.weight"].clone()
-        merged += (lora[f"{module}.lora_B"] @ lora[f"{module}.lora_A"]) * scaling
+        merged += delta
         out[f"{module}.weight"] = merged
     return out
 

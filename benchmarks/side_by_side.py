@@ -13,8 +13,10 @@ and the table gives, per (model, backend, method), rank 0's median seconds on ea
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -54,6 +56,12 @@ def _medians(directory: Path) -> dict[tuple[str, str, str], list[float]]:
     return seconds
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ref", required=True, help="the git ref whose library is compared with this tree's")
@@ -86,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         a, b = statistics.median(ref[key]), statistics.median(tree[key])
         rows.append({"model": key[0], "backend": key[1], "method": key[2], "ref_ms": a * 1e3, "tree_ms": b * 1e3,
                      "ref_over_tree": a / b, "runs": len(ref[key])})  # fmt: skip
+    machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {_torch_version()}"
+    measured = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     lines = [
+        f"Measured {measured}. Machine: {machine}.",
+        "",
         f"`python -m benchmarks.side_by_side --ref {args.ref} --rounds {args.rounds} -- {' '.join(bench)}`: rank 0's "
         f"median ms over every repetition of every round, the ref's library beside this tree's.",
         "",
@@ -97,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     args.results.mkdir(parents=True, exist_ok=True)
     kind = f"side-by-side-{bench[0] if bench else 'run'}"
-    (args.results / f"{kind}.json").write_text(json.dumps({"ref": args.ref, "argv": bench, "rows": rows}, indent=1))
+    (args.results / f"{kind}.json").write_text(json.dumps(
+        {"ref": args.ref, "argv": bench, "machine": machine, "measured": measured, "rows": rows}, indent=1
+    ))
     (args.results / f"{kind}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
