@@ -213,6 +213,24 @@ def test_a_corrupted_adapter_is_never_served_and_requests_stay_on_the_verified_v
     _corrupted_version_never_served(result, "fsdp1", colocated=True)
 
 
+def test_an_engine_keeping_one_adapter_serves_the_verified_version_again_after_a_failed_sync(
+    checkpoints, tmp_path
+) -> None:
+    """As above, FSDP2, into an engine that keeps one adapter loaded (`max_cpu_loras=1`, as an engine built
+    elsewhere may; the mixin's keeps two): staging version 2 evicts the served version 1, so the failed sync must load
+    v1 again (`ColocateWriter.abandon_adapter`) before generation goes on. Right after the failure the engine holds v1
+    alone and answers exactly as after the last verified sync."""
+    result = run_grpo(
+        checkpoints("qwen2"), tmp_path, "fsdp2", "--peft", "--adapter", "--perturb", "0", "--steps", str(STEPS),
+        "--verify", "--corrupt-adapter", "1", "--engine-kept-adapters", "1",
+    )  # fmt: skip
+    _check(result, "fsdp2", colocated=True)
+    _corrupted_version_never_served(result, "fsdp2", colocated=True)
+    probe = result.ranks[0]["failed_syncs"][0]["probe"]
+    assert probe["kept_adapters"] == 1, probe
+    assert "adapter fsdp-vllm-sync-v1 loaded again" in result.log, result.log[-3000:]
+
+
 def _corrupted_version_never_served(result, backend: str, *, colocated: bool) -> None:
     """After `--corrupt-adapter 1`: the sync fails on every rank, naming the tensor and rank 0's verify, not
     landed, the error naming the version generation is still served (v1). Right after the failure (rank 0,

@@ -36,6 +36,13 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the colocated engine runs eagerly (vLLM's enforce_eager): no Dynamo trace or Inductor load at its start",
     )
+    p.add_argument(
+        "--engine-kept-adapters",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the colocated engine keeps N adapters loaded (vLLM's max_cpu_loras), as an engine built elsewhere may",
+    )
     p.add_argument("--stock", action="store_true", help="TRL's own sync (no mixin), recorded as it behaves")
     p.add_argument(
         "--stock-reload",
@@ -149,8 +156,15 @@ class HarnessHooks(JobHooks):
             from .vllm_release import use_release
 
             use_release(args.vllm_weight_transfer_from)
-        if args.eager_engine:
-            _eager_engines()
+        if args.eager_engine or args.engine_kept_adapters is not None:
+            _engine_defaults(eager=args.eager_engine, kept_adapters=args.engine_kept_adapters)
+        if args.engine_kept_adapters is not None:
+            # The colocated writer says (INFO) when it loads the served version again; the test reads the log.
+            import logging
+
+            writer_log = logging.getLogger("fsdp_sync.writers.colocate")
+            writer_log.setLevel(logging.INFO)
+            writer_log.addHandler(logging.StreamHandler(sys.stderr))
         if args.soak:
             args.steps = args.soak + 1
         kill = None
@@ -302,14 +316,17 @@ class HarnessHooks(JobHooks):
         )
 
 
-def _eager_engines() -> None:
-    """Every `vllm.LLM` this process starts defaults to `enforce_eager=True`.
+def _engine_defaults(*, eager: bool, kept_adapters: int | None) -> None:
+    """Every `vllm.LLM` this process starts runs eagerly (`eager`: `enforce_eager=True` unless given) and keeps
+    `kept_adapters` adapters loaded (`max_cpu_loras`, over what the mixin asks for).
 
-    Why: a colocated engine's start compiles its model (Dynamo's trace and Inductor's cached graphs: about 3 of the 11
-    CPU seconds of a 2-rank test job on the CI machine). The tests whose subject is not the compiled engine pass
-    `--eager-engine`; the backend matrix, the sparse generation tests and the README's job keep it compiled.
-    NOTE: TRL builds the engine itself and passes no `enforce_eager`; it calls the `LLM` class it imported, so the
-    default is set on the class.
+    Why eager: a colocated engine's start compiles its model (Dynamo's trace and Inductor's cached graphs: about 3 of
+    the 11 CPU seconds of a 2-rank test job on the CI machine). The tests whose subject is not the compiled engine
+    pass `--eager-engine`; the backend matrix, the sparse generation tests and the README's job keep it compiled.
+    Why kept adapters: the mixin's engine keeps two (the served version and the staged one); an engine that keeps
+    one evicts the served version when a sync stages the next, which a failed sync must undo.
+    NOTE: TRL builds the engine itself (through the mixin's `engine_with_lora`); it calls the `LLM` class it
+    imported, so the defaults are set on the class.
     """
     import functools
 
@@ -318,11 +335,14 @@ def _eager_engines() -> None:
     init = LLM.__init__
 
     @functools.wraps(init)
-    def eager_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("enforce_eager", True)
+    def with_defaults(self: Any, *args: Any, **kwargs: Any) -> None:
+        if eager:
+            kwargs.setdefault("enforce_eager", True)
+        if kept_adapters is not None and kwargs.get("enable_lora"):
+            kwargs["max_cpu_loras"] = kept_adapters
         init(self, *args, **kwargs)
 
-    LLM.__init__ = eager_init
+    LLM.__init__ = with_defaults
 
 
 def _change_the_model(trainer: Any, args: argparse.Namespace, index: int) -> None:

@@ -131,6 +131,7 @@ def probe_after_failure(trainer: Any, checker: Any, server_url: str | None) -> d
         # NOTE: asked of vLLM (the adapter ids its worker holds), not generated with: a request naming an id the
         # engine does not hold would make vLLM load it from its path, which names no file.
         probe["held_ids"] = sorted(int(i) for i in llm.llm_engine.list_loras())
+        probe["kept_adapters"] = llm.llm_engine.vllm_config.lora_config.max_cpu_loras
     else:
         import requests
 
