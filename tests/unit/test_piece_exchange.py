@@ -64,3 +64,50 @@ def test_pieces_that_do_not_cover_a_tensor_exactly_once_are_refused_by_name(faul
         pieces.append(Piece("c", FULL["c"][1:3].clone(), 1))
     with pytest.raises(RuntimeError, match=r"exactly once: c$"):
         _exchange()(pieces, receive=True)
+
+
+def _gathered_as_two_ranks(monkeypatch: pytest.MonkeyPatch, other: list[Piece]) -> None:
+    """The exchange's all-gathers as two ranks would see them: this rank's (places, values) first, then those
+    `other` (the second rank's pieces) sends, each padded to the longest as `_exchange` pads them."""
+    import fsdp_sync.sync.pieces as pieces
+
+    sent: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def capture(places: torch.Tensor, values: torch.Tensor, group: object) -> tuple:
+        sent[values.dtype] = (places, values)
+        return places.reshape(1, -1, 3), (values.numel(),), values
+
+    monkeypatch.setattr(pieces, "_exchange", capture)
+    _exchange()(other, receive=False)
+
+    def two_ranks(places: torch.Tensor, values: torch.Tensor, group: object) -> tuple:
+        theirs, their_values = sent[values.dtype]
+        most = max(places.shape[0], theirs.shape[0], 1)
+        longest = max(values.numel(), their_values.numel(), 1)
+        rows = torch.full((2, most, 3), -1, dtype=torch.int64)
+        rows[0, : places.shape[0]], rows[1, : theirs.shape[0]] = places, theirs
+        flat = torch.zeros(2 * longest, dtype=values.dtype)
+        flat[: values.numel()], flat[longest : longest + their_values.numel()] = values, their_values
+        return rows, (values.numel(), their_values.numel()), flat
+
+    monkeypatch.setattr(pieces, "_exchange", two_ranks)
+
+
+def test_two_ranks_halves_interleave_into_the_full_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP's layout: each tensor's first part on one rank, the rest on the other (and one tensor whole on rank 1):
+    the runs are put in order from both ranks' blocks of the gathered buffer, across its padding."""
+    every = _pieces({"a": [5], "b": [3], "c": []})
+    mine = [p for p in every if p.start == 0 and p.name != "c"]
+    theirs = [p for p in every if all(p is not q for q in mine)]
+    _gathered_as_two_ranks(monkeypatch, theirs)
+    full = _exchange()(mine, receive=True)
+    assert all(torch.equal(full[n], FULL[n]) for n in NAMES)
+
+
+def test_two_ranks_with_a_gap_are_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    every = _pieces({"a": [5], "b": [3], "c": []})
+    mine = [p for p in every if p.start == 0 and p.name != "c"]
+    theirs = [p for p in every if all(p is not q for q in mine) and p.name != "b"]
+    _gathered_as_two_ranks(monkeypatch, theirs)
+    with pytest.raises(RuntimeError, match=r"exactly once: b$"):
+        _exchange()(mine, receive=True)
