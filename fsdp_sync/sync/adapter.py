@@ -45,7 +45,7 @@ from fsdp_sync.compat.lora_api import (
 from fsdp_sync.compat.names import Dropped, NameRules, canonical_name, unwrapped_name
 
 from ..config import SyncConfig
-from ..distributed import Coordinator, agreed, collective
+from ..distributed import Coordinator, agreed
 from ..errors import EngineState, NonFiniteWeightsError, RankFailure, SyncError, UnsupportedSetupError, agreed_error
 from ..gather.base import Gatherer, Piece
 from ..report import AdapterFigures, SyncReport
