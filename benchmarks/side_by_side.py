@@ -47,7 +47,7 @@ def _side(into: Path, library: Path | None) -> None:
     (into / "fsdp_sync").symlink_to(library if library is not None else ROOT / "fsdp_sync")
 
 
-def _medians(directory: Path) -> dict[tuple[str, str, str], list[float]]:
+def _seconds(directory: Path) -> dict[tuple[str, str, str], list[float]]:
     seconds: dict[tuple[str, str, str], list[float]] = {}
     for path in directory.glob("*/*.json"):
         for row in json.loads(path.read_text())["rows"]:
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
                     return 1
                 print(f"round {round_}: {name} done", flush=True)
-        ref, tree = (_medians(work / "results" / name) for name in sides)
+        ref, tree = (_seconds(work / "results" / name) for name in sides)
     rows: list[dict[str, Any]] = []
     for key in sorted(set(ref) & set(tree)):
         a, b = statistics.median(ref[key]), statistics.median(tree[key])
