@@ -1,25 +1,28 @@
-"""Syncs into multi-worker vLLM CPU servers (issue 40): a tensor-parallel and a data-parallel server beside a
-single-worker one, the same checkpoint and the same sync work, in one run.
+"""Syncs into multi-worker vLLM CPU servers (issues 40 and 50): a tensor-parallel and a data-parallel server beside a
+single-worker one, the same checkpoint and the same sync work, from FSDP2 and FSDP1 trainers of 2 and 3 ranks, each
+through the broadcast path (the sender sends every worker every tensor) and the routed one (every trainer rank sends
+its share, each worker receives its cut), in one run.
 
-    python -m benchmarks.multi_worker [--reps 5]   (the results in benchmarks/results: --reps 10)
+    python -m benchmarks.multi_worker [--reps 5]   (the results in benchmarks/results: --reps 6)
 
 For each server in turn (each stopped before the next starts: a multi-worker server pins both cores):
 - `single`: docs/server.md's tensor-parallel CPU command without `--tensor-parallel-size 2` and without its per-worker
   CPU binding (one worker; the same arguments otherwise);
 - `tp2`, `dp2`: docs/server.md's two commands as written (`tests/e2e/documented.py`), `VLLM_CPU_OMP_THREADS_BIND="0|1"`.
 Every server gets the test-side readable weights (`VLLMServerProcess(readable_weights=True)`): each worker's cut of
-each weight is read from the worker itself (`compat/tp_shards.py`), and the last sync is checked bit for bit on every
-worker (every shard of every replica equals the trainer's weight cut as that worker's loader cuts it).
+each weight is read from the worker itself (`compat/tp_shards.py`), and after each trainer's last sync every weight of
+every worker is checked bit for bit (each shard of each replica against the trainer's weight cut as that worker's
+loader cuts it).
 
-Two gloo trainer ranks (FSDP2, one unit per decoder layer plus the root; `SyncConfig()`: delta syncs on) push through
-the library's server writer (`fsdp_sync.assemble.build_sync`, gloo weight transfer): one cold sync (the handshake and
-a complete sync), then per repetition one Adam step and, alternating in order, a `delta` sync (every parameter is
-trainable, so it sends every tensor too) and a `complete` one (`resync()` first). Per sync: the sync's own report
-(rank 0: seconds, tensors, bytes it announced and sent), what every server process and both trainer ranks received
-and sent over TCP meanwhile (the kernel's per-socket counters, `ss -tinp`: gloo's connections are TCP, so a worker's
-count is the bytes it received), and the CPU seconds of every server process. Per worker: the bytes of the weights it
-holds, whole and as its shard (its cut, applied to the trainer's full weights: what its loader keeps of what it
-receives), and its peak RSS (`VmHWM`).
+Per trainer (FSDP2 x 2 ranks, FSDP1 x 2, FSDP2 x 3; one unit per decoder layer plus the root; `SyncConfig()`) and path
+(`broadcast`: the writer built with its routing off, as before issue 50; `routed`: the default), the library's server
+writer (`fsdp_sync.assemble.build_sync`, gloo weight transfer): one cold sync (the handshake and a complete sync),
+then per repetition one Adam step and, alternating in order, a `delta` sync (every parameter is trainable, so it
+sends every tensor too) and a `complete` one (`resync()` first). Per sync: the sync's own report (rank 0: seconds),
+the bytes each trainer rank put on the transfer's wire (`ServerWriter.sent_bytes`: its share), what every server
+process and every trainer rank received and sent over TCP meanwhile (the kernel's per-socket counters, `ss -tinp`:
+gloo's connections are TCP, so a worker's count is the bytes it received), and the CPU seconds of every server
+process. Per worker: the bytes of the weights it holds, whole and as its shard, and its peak RSS (`VmHWM`).
 Writes benchmarks/results/multi-worker-cpu.{json,md}.
 """
 
@@ -53,7 +56,9 @@ SPEC = TinySpec(
 SPEC_NAME = "qwen2-20m"
 # Server name -> the parallel flag of docs/server.md's command (single: the tensor-parallel command without it).
 SERVERS = {"single": None, "tp2": "--tensor-parallel-size 2", "dp2": "--data-parallel-size 2"}
-SYNC_KINDS = ("first", "complete", "delta")
+# (backend, trainer ranks), and the two paths of issue 50.
+TRAINERS = (("fsdp2", 2), ("fsdp1", 2), ("fsdp2", 3))
+PATHS = ("broadcast", "routed")
 _BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 _MB = 1e6
 
@@ -169,7 +174,9 @@ def _shards(wrapped: torch.nn.Module, model_dir: str, base_url: str, dtype: torc
     from fsdp_sync._demo.engine import worker_digest_check
     from fsdp_sync._demo.vllm_server import server_shard_rules, server_worker_digests
 
-    state = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # NOTE: no cpu_offload: the trainer is on the CPU already, and FSDP1's offloading state dict segfaulted there
+    # (torch 2.13, a clone of a freed flat-parameter view).
+    state = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
     if dist.get_rank() != 0:
         return None
     full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -198,11 +205,12 @@ def _shards(wrapped: torch.nn.Module, model_dir: str, base_url: str, dtype: torc
 
 
 def multi_worker_rank(
-    rank: int, world_size: int, server: str, model_dir: str, base_url: str, group_port: int, reps: int,
-    server_pids: dict[str, int],
+    rank: int, world_size: int, server: str, backend: str, path: str, model_dir: str, base_url: str, group_port: int,
+    reps: int, server_pids: dict[str, int],
 ) -> list[dict[str, Any]]:  # fmt: skip
     """One trainer rank: the cold sync, then `reps` x (an Adam step, a delta and a complete sync, alternating order);
-    rank 0 also reads every process's I/O counters around each sync and, at the end, the workers' shards."""
+    rank 0 also reads every process's I/O counters around each sync and, at the end, the workers' shards. `path`
+    "broadcast" builds the writer with its routing off (`ServerWriter.shares`, read once when the sync is built)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -214,9 +222,10 @@ def multi_worker_rank(
 
     device = torch.device("cpu")
     writer = server_writer(base_url, rank, group_port)
+    writer.shares = path == "routed"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     vocab = model.config.vocab_size
-    wrapped = wrap_fsdp(model, "fsdp2", device)
+    wrapped = wrap_fsdp(model, backend, device)
     sync = build_sync(wrapped, writer, SyncConfig(), device=device)
     optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-4)
     trainer_pids: list[int] = [0] * world_size
@@ -227,6 +236,9 @@ def multi_worker_rank(
     def run(kind: str, rep: int) -> None:
         if kind == "complete":
             sync.resync()
+        # NOTE: idle first: vLLM's shared-memory readers busy-loop for 1 s after each message (`SpinCondition`,
+        # `busy_loop_s=1`), so a sync that starts within 1 s of the last one shares the 2 cores with them.
+        time.sleep(1.2)
         dist.barrier()
         before = _tcp_bytes(watched) if rank == 0 else {}
         dist.barrier()
@@ -240,8 +252,11 @@ def multi_worker_rank(
         dist.barrier()
         after = _tcp_bytes(watched) if rank == 0 else {}
         assert report.ok, report
+        shares: list[int] = [0] * world_size
+        dist.all_gather_object(shares, writer.sent_bytes)
         rows.append({
-            "row": "sync", "server": server, "kind": kind, "rep": rep, "rank": rank, "seconds": report.seconds,
+            "row": "sync", "server": server, "backend": backend, "ranks": world_size, "path": path, "kind": kind,
+            "rep": rep, "rank": rank, "seconds": report.seconds, "shares": shares,
             "wall_seconds": wall, "tensors": report.tensors, "bytes": report.bytes, "complete": report.complete,
             "received": {n: after[n][0] - before[n][0] for n in after},
             "sent": {n: after[n][1] - before[n][1] for n in after},
@@ -255,11 +270,16 @@ def multi_worker_rank(
             run(kind, rep)
     shards = _shards(wrapped, model_dir, base_url, writer.engine_dtype or torch.float32)
     if shards is not None:
-        rows.append({"row": "shards", "server": server, "rank": rank, **shards})
+        rows.append({
+            "row": "shards", "server": server, "backend": backend, "ranks": world_size, "path": path, "rank": rank,
+            **shards,
+        })  # fmt: skip
     return rows
 
 
-def multi_worker_rows(reps: int) -> list[dict[str, Any]]:
+def multi_worker_rows(
+    reps: int, servers: tuple[str, ...] = tuple(SERVERS), trainers: tuple[tuple[str, int], ...] = TRAINERS
+) -> list[dict[str, Any]]:
     """Every server of `SERVERS` in turn, the same checkpoint and the same trainer work against each."""
     from tests.support.dist import free_port, run_distributed
     from fsdp_sync._demo.models import build_tiny_checkpoint
@@ -267,19 +287,25 @@ def multi_worker_rows(reps: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_checkpoint(Path(tmp) / SPEC_NAME, SPEC)
-        for name in SERVERS:
+        for name in servers:
             server = _server(name, model_dir, Path(tmp) / f"{name}.log")
             with server:
                 procs = _server_processes(server.process.pid)
                 workers = _workers(procs)
-                try:
-                    results = run_distributed(
-                        multi_worker_rank, name, str(model_dir), server.base_url, free_port(), reps, procs,
-                        world_size=2, backend="gloo",
-                    )  # fmt: skip
-                except RuntimeError as e:
-                    raise RuntimeError(f"the {name} server's syncs failed; server log:\n{server.log_tail()}") from e
-                server.raise_on_worker_death()
+                results = []
+                for backend, ranks in trainers:
+                    for path in PATHS:
+                        try:
+                            results += run_distributed(
+                                multi_worker_rank, name, backend, path, str(model_dir), server.base_url, free_port(),
+                                reps, procs, world_size=ranks, backend="gloo",
+                            )  # fmt: skip
+                        except RuntimeError as e:
+                            raise RuntimeError(
+                                f"the {name} server's syncs ({backend} x {ranks}, {path}) failed; server log:\n"
+                                f"{server.log_tail()}"
+                            ) from e
+                        server.raise_on_worker_death()
                 rows.append({
                     "row": "server", "server": name, "startup_seconds": server.startup_seconds,
                     "command": " ".join(server.words), "env": dict(server.env),
@@ -296,100 +322,90 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _sent_over_tcp(syncs: list[dict[str, Any]], server: str, kind: str) -> float:
-    return _median([r["sent"]["trainer-rank0"] for r in syncs if r["server"] == server and r["kind"] == kind])
+def _trainer(r: dict[str, Any]) -> str:
+    return f"{r['backend'].upper()} x {r['ranks']}"
 
 
 def multi_worker_table(rows: list[dict[str, Any]]) -> str:
-    """Sync medians per server and kind (rank 0), then per worker: received, held, kept, peak RSS; then what sending
-    each worker only its shard would save."""
+    """Per server, trainer and path: the complete sync's median time against the single-worker server and against the
+    other path, what each worker received, what each trainer rank put on the wire; then per worker what it keeps."""
     servers = {r["server"]: r for r in rows if r["row"] == "server"}
-    shards = {r["server"]: r for r in rows if r["row"] == "shards"}
+    checks = [r for r in rows if r["row"] == "shards"]
     syncs = [r for r in rows if r["row"] == "sync" and r["rank"] == 0]
+    keys = sorted({(_trainer(r), r["path"]) for r in syncs}, key=lambda k: (k[0], PATHS.index(k[1])))
     lines = [
-        "| server | workers | sync | n | sync ms (median) | min ms | vs single | MB in the sync's report "
-        "| MB received by each worker (measured) | MB sent by trainer rank 0 over TCP (measured; its FSDP gathers "
-        "included) | server CPU s during the sync (all its processes) |",
+        "| server | trainer | path | complete sync ms (median) | vs single | routed / broadcast | delta sync ms "
+        "(median) | MB received by each worker (measured) | MB each trainer rank put on the wire (its share) "
+        "| busiest rank / all workers received | MB each trainer rank sent over TCP (its FSDP gathers included) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    single: dict[str, float] = {}
+    median: dict[tuple[str, str, str, str], float] = {}
+    for name in servers:
+        for trainer, path in keys:
+            for kind in ("complete", "delta"):
+                chosen = [r for r in syncs if (r["server"], _trainer(r), r["path"], r["kind"]) == (name, trainer, path, kind)]
+                if chosen:
+                    median[(name, trainer, path, kind)] = _median([r["seconds"] for r in chosen])
     for name, server in servers.items():
         workers = server["workers"]
-        server_procs = list(server["peak_rss"])
-        for kind in SYNC_KINDS:
-            chosen = [r for r in syncs if r["server"] == name and r["kind"] == kind]
+        for trainer, path in keys:
+            chosen = [r for r in syncs if (r["server"], _trainer(r), r["path"], r["kind"]) == (name, trainer, path, "complete")]
             if not chosen:
                 continue
-            seconds = _median([r["seconds"] for r in chosen])
-            if name == "single":
-                single[kind] = seconds
-            ratio = f"{seconds / single[kind]:.2f}x" if kind in single else ""
-            sent = _median([r["bytes"] for r in chosen]) / _MB
-            received = " / ".join(f"{_median([r['received'][w] for r in chosen]) / _MB:.1f}" for w in workers)
-            cpu = _median([sum(r["cpu_seconds"][p] for p in server_procs) for r in chosen])
+            seconds = median[(name, trainer, path, "complete")]
+            single = median.get(("single", trainer, path, "complete"))
+            other = median.get((name, trainer, "broadcast", "complete"))
+            ratio = f"{seconds / single:.2f}x" if single else ""
+            versus = f"{seconds / other:.2f}x" if other and path == "routed" else ""
+            received = [_median([r["received"][w] for r in chosen]) for w in workers]
+            shares = [_median([r["shares"][k] for r in chosen]) for k in range(chosen[0]["ranks"])]
+            tcp = [_median([r["sent"][f"trainer-rank{k}"] for r in chosen]) for k in range(chosen[0]["ranks"])]
+            delta = median.get((name, trainer, path, "delta"))
             lines.append(
-                f"| {name} | {len(workers)} | {kind} | {len(chosen)} | {seconds * 1e3:.1f} | "
-                f"{min(r['seconds'] for r in chosen) * 1e3:.1f} | {ratio} | {sent:.1f} "
-                f"| {received} | {_sent_over_tcp(syncs, name, kind) / _MB:.1f} | {cpu:.2f} |"
+                f"| {name} | {trainer} | {path} | {seconds * 1e3:.1f} | {ratio} | {versus} | "
+                f"{delta * 1e3 if delta else float('nan'):.1f} | {' / '.join(f'{b / _MB:.1f}' for b in received)} | "
+                f"{' / '.join(f'{b / _MB:.1f}' for b in shares)} | {max(shares) / sum(received):.2f} | "
+                f"{' / '.join(f'{b / _MB:.1f}' for b in tcp)} |"
             )
     lines += [
         "",
-        "| server | worker | MB received per complete sync (measured, median) | MB of the weights it holds, whole | "
-        "MB it keeps (its shard) | kept / received | peak RSS MB |",
+        "| server | worker | MB received per complete sync, broadcast / routed (FSDP2 x 2, measured, median) | "
+        "MB of the weights it holds, whole | MB it keeps (its shard) | kept / received, routed | peak RSS MB |",
         "|---|---|---|---|---|---|---|",
     ]
     notes = []
     for name, server in servers.items():
-        complete = [r for r in syncs if r["server"] == name and r["kind"] == "complete"]
-        received_all = whole_all = kept_all = 0.0
+        shard = next(c for c in checks if c["server"] == name and c["path"] == "routed")
+        by_path = {
+            path: [r for r in syncs if (r["server"], _trainer(r), r["path"], r["kind"]) == (name, "FSDP2 x 2", path, "complete")]
+            for path in PATHS
+        }
         for process, tag in server["workers"].items():
-            received = _median([r["received"][process] for r in complete])
-            held = shards[name]["workers"][tag]
-            received_all += received
-            whole_all += held["whole_bytes"]
-            kept_all += held["kept_bytes"]
+            got = {path: _median([r["received"][process] for r in chosen]) for path, chosen in by_path.items()}
+            held = shard["workers"][tag]
             lines.append(
-                f"| {name} | {tag} ({process}) | {received / _MB:.2f} | {held['whole_bytes'] / _MB:.2f} | "
-                f"{held['kept_bytes'] / _MB:.2f} | {held['kept_bytes'] / received:.1%} | "
-                f"{server['peak_rss'][process] / 2**20:.0f} |"
+                f"| {name} | {tag} ({process}) | {got['broadcast'] / _MB:.2f} / {got['routed'] / _MB:.2f} | "
+                f"{held['whole_bytes'] / _MB:.2f} | {held['kept_bytes'] / _MB:.2f} | "
+                f"{held['kept_bytes'] / got['routed']:.1%} | {server['peak_rss'][process] / 2**20:.0f} |"
             )
-        check = shards[name]
-        verdict = "every weight equal" if not check["problems"] else f"{len(check['problems'])} problem(s)"
+        mine = [c for c in checks if c["server"] == name]
+        wrong = [f"{_trainer(c)} {c['path']}: {len(c['problems'])}" for c in mine if c["problems"]]
+        verdict = "every weight equal" if not wrong else f"problems: {'; '.join(wrong)}"
         notes.append(
-            f"- {name}: server up after {server['startup_seconds']:.0f} s; after its last sync, {check['checked']} "
-            f"worker weights compared with the trainer's (each cut as its worker's loader cuts it), bit for bit: "
-            f"{verdict}."
+            f"- {name}: server up after {server['startup_seconds']:.0f} s; after each trainer's last sync (both paths, "
+            f"{len(mine)} runs), {mine[0]['checked']} worker weights compared with the trainer's each time (each cut as "
+            f"its worker's loader cuts it), bit for bit: {verdict}."
         )
-        n = len(server["workers"])
-        if n == 1 or "single" not in servers:
-            continue
-        extra = (_sent_over_tcp(syncs, name, "complete") - _sent_over_tcp(syncs, "single", "complete")) / _MB
-        if kept_all < whole_all:
-            notes.append(
-                f"- {name}: every worker receives every full tensor ({received_all / n / _MB:.1f} MB per complete "
-                f"sync each, measured) and keeps its shard ({kept_all / n / _MB:.1f} MB each, "
-                f"{kept_all / received_all:.1%} of what it receives). Sending each worker only its shard would cut "
-                f"what each receives by {(received_all - kept_all) / n / _MB:.1f} MB per sync "
-                f"({1 - kept_all / received_all:.1%}), and what leaves the trainer's sender from "
-                f"{received_all / _MB:.1f} to {kept_all / _MB:.1f} MB per sync: the sender sends every worker its own "
-                f"copy (rank 0 sent {extra:.1f} MB more per complete sync here than into the single-worker server). "
-                "Not done today."
-            )
-        else:
-            notes.append(
-                f"- {name}: each of the {n} replicas receives every full tensor and keeps all of it (whole weights); "
-                f"the trainer's sender sends each its own copy (rank 0 sent {extra:.1f} MB more per complete sync "
-                "than into the single-worker server)."
-            )
-    busy = []
-    for name in servers:
-        timed = [r for r in syncs if r["server"] == name and r["kind"] != "first"]
-        busy.append(f"{name} {_median([sum(r['cpu_seconds'].values()) / r['seconds'] for r in timed]):.2f}")
     notes.append(
-        "- CPU seconds the server's processes used per second of sync (median over the complete and delta syncs): "
-        f"{', '.join(busy)}; the 2 cores also run both trainer ranks. NOTE (not measured here: which thread spins): "
-        "vLLM's shared-memory message queue keeps its readers busy-looping (`sched_yield`) for 1 s after each message "
-        "(`vllm/distributed/device_communicators/shm_broadcast.py`, `SpinCondition`, `busy_loop_s=1`)."
+        "- MB put on the wire: what `ServerWriter.sent_bytes` counts on each trainer rank (the chunks it sent, trailers "
+        "included). Broadcast: rank 0 sends each chunk once to the transfer group; gloo's broadcast then sends it to "
+        "every worker over TCP (the TCP column), so the sender's link carries one copy per worker. Routed: each rank "
+        "sends its own chunks point to point, each worker only its cut."
+    )
+    notes.append(
+        "- The TCP columns include the FSDP all-gathers between the trainer ranks (each rank receives the other ranks' "
+        "shards of every unit): the routed path keeps that gather (every rank holds each full unit while it is handed "
+        "on, as before) and adds each rank's share."
     )
     notes.append(
         "- Peak RSS: each worker's `VmHWM` (its high-water mark since it started, the model load included). Every "
@@ -397,9 +413,10 @@ def multi_worker_table(rows: list[dict[str, Any]]) -> str:
         "unpacked beside vLLM-CPU's packed copy."
     )
     notes.append(
-        "- `first`: the first sync of the run (the transfer group's handshake, a complete sync). `delta`: after an "
-        "Adam step; every parameter is trainable, so it sends every tensor as `complete` does. The 2 cores are shared "
-        "by the two trainer ranks, every server worker and other work on the machine: times vary from sync to sync."
+        "- `first`: the first sync of each trainer (the transfer group's handshake, a complete sync), not in the table. "
+        "`delta`: after an Adam step; every parameter is trainable, so it sends every tensor as `complete` does. The 2 "
+        "cores are shared by the trainer ranks, every server worker and other work on the machine: times vary from "
+        "sync to sync."
     )
     return "\n".join(lines) + "\n\n" + "\n".join(notes)
 
@@ -407,18 +424,24 @@ def multi_worker_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of " + ", ".join(SERVERS))
+    parser.add_argument(
+        "--trainers", default=",".join(f"{b}x{n}" for b, n in TRAINERS), help="comma-separated BACKENDxRANKS"
+    )
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     for name, value in (("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_OFFLINE", "1")):
         os.environ.setdefault(name, value)
     import vllm
 
-    rows = multi_worker_rows(args.reps)
+    trainers = tuple((b, int(n)) for b, n in (t.split("x") for t in args.trainers.split(",")))
+    rows = multi_worker_rows(args.reps, tuple(args.servers.split(",")), trainers)
     machine = (
         f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other work), torch {torch.__version__}, vLLM "
         f"{vllm.__version__}; {SPEC_NAME} (Qwen2: hidden {SPEC.hidden_size}, {SPEC.num_hidden_layers} layers, "
         f"{SPEC.num_attention_heads} heads, {SPEC.num_key_value_heads} KV heads, vocabulary {SPEC.vocab_size}, tied); "
-        "2 gloo trainer ranks (FSDP2), the library's server writer, gloo weight transfer; docs/server.md's CPU server "
+        "gloo trainer ranks (FSDP2 x 2, FSDP1 x 2, FSDP2 x 3), the library's server writer, gloo weight transfer, "
+        "broadcast and routed; docs/server.md's CPU server "
         "commands (bf16; single: the tensor-parallel one without its parallel flag and CPU binding), readable weights, "
         f"one server at a time; {args.reps} reps, medians"
     )

@@ -153,6 +153,8 @@ class SyncReport:
         unverifiable: with `verify`: engine weights that could not be compared (named in the logs).
         verify_seconds: with `verify`: time spent on digests, trainer and engine side (not in `seconds`).
         figures: the mode's own figures (`DeltaFigures`, `SparseFigures`, `AdapterFigures`), read with `figure`.
+        sent_bytes: bytes this rank put on the transfer's wire (a server writer's: its share of a routed push, where
+            every rank sends; the whole stream where only rank 0 does); None where the writer does not count them.
     """
 
     seconds: float
@@ -170,6 +172,7 @@ class SyncReport:
     unverifiable: int | None = None
     verify_seconds: float = 0.0
     figures: tuple[Figures, ...] = ()
+    sent_bytes: int | None = None
 
     @classmethod
     def failed(cls, error: BaseException, engine: str, *, backend: str, strategy: str, writer: str) -> SyncReport:
@@ -220,6 +223,8 @@ class SyncReport:
         }
         for figures in self.figures:
             metrics.update(figures.metrics(prefix))
+        if self.sent_bytes is not None:
+            metrics[f"{prefix}sent_gbytes"] = self.sent_bytes / 1e9
         if self.verified is not None:
             metrics[f"{prefix}verify_seconds"] = self.verify_seconds
             metrics[f"{prefix}unverifiable"] = float(self.unverifiable or 0)

@@ -37,7 +37,7 @@ from ..config import SyncConfig
 from ..distributed import Coordinator
 from ..errors import EngineState, SyncError, agreed_error
 from ..report import SyncReport
-from ..writers.base import BoundedWriter, EngineWriter
+from ..writers.base import BoundedWriter, EngineWriter, SharedWriter
 from .contract import PublishHook, writer_budget
 
 __all__ = ["Pushed", "SyncFrame", "Verified"]
@@ -95,8 +95,10 @@ class SyncFrame:
         self.writer = writer
         self.coordinator = coordinator
         self.backend = backend
-        # Decided once: whether this rank's writer has waits outside this process to bound by the sync's deadline.
-        self._bounded = writer if writer.pushes and isinstance(writer, BoundedWriter) else None
+        # Decided once: whether this rank's writer has waits outside this process to bound by the sync's deadline
+        # (a rank that sends a share of each push waits on the server's workers too).
+        sends = writer.pushes or (isinstance(writer, SharedWriter) and writer.shares)
+        self._bounded = writer if sends and isinstance(writer, BoundedWriter) else None
 
     # --- the steps a kind gives ---
 

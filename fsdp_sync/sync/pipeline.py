@@ -218,4 +218,5 @@ class WeightSync(SyncFrame):
             unverifiable=verified.unverifiable if verified is not None else None,
             verify_seconds=verified.seconds if verified is not None else 0.0,
             figures=self.policy.report(payload, settled),
+            sent_bytes=self.push.sent_bytes,
         )

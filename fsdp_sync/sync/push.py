@@ -14,6 +14,7 @@ failure on any rank is raised on every rank and none blocks.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 
@@ -24,7 +25,7 @@ from ..errors import EngineState, StreamInterrupted, SyncError, SyncTimeoutError
 from ..faults import fault_point
 from ..gather.base import Gatherer
 from ..versions import VersionStamps
-from ..writers.base import EngineWriter, PatchWriter, VersionedWriter
+from ..writers.base import EngineWriter, PatchWriter, SharedWriter, VersionedWriter
 from .select import Payload
 from .stream import IncompleteSyncError, StreamPass, SyncPlan, WeightStream
 from .verify import EngineDigests
@@ -143,6 +144,33 @@ class _Draining:
         return None
 
 
+class _Sharing(_Draining):
+    """The role of a rank that writes into no engine but sends its share of each push (`SharedWriter`: a server's
+    routed updates); its share's failure stops every rank at the gather's next round, as a writer's does."""
+
+    def __init__(self, writer: SharedWriter) -> None:
+        self.writer = writer
+        self.announced: tuple[PlannedTensor, ...] = ()
+
+    def announce(self, tensors: tuple[PlannedTensor, ...], rounds: Rounds) -> None:
+        """The selection is announced here too: this rank's share is planned over it."""
+        if tensors != self.announced:
+            rounds.attempt("push", lambda: cast(EngineWriter, self.writer).prepare(tensors))
+            self.announced = () if rounds.failed else tensors
+
+    def write(self, stream: Iterator[tuple[str, torch.Tensor]], rounds: Rounds, payload: Payload) -> None:
+        if rounds.failed or (payload.patches is not None and not payload.whole):
+            return super().write(stream, rounds, payload)
+        try:
+            self.writer.share(_faulted(stream))
+        except StreamInterrupted:
+            pass  # recorded in `rounds`
+        except Exception as e:
+            if not isinstance(e.__cause__, StreamInterrupted):
+                rounds.fail("push", e)
+        return super().write(stream, rounds, payload)  # what a share left of the stream
+
+
 class Push:
     """Runs the push of each sync for this rank, in its role.
 
@@ -155,7 +183,12 @@ class Push:
 
     def __init__(self, writer: EngineWriter, stream: WeightStream, gatherer: Gatherer, coordinator: Coordinator) -> None:
         # NOTE: the one place the sync reads `writer.pushes`.
-        self.role: _Writing | _Draining = _Writing(writer) if writer.pushes else _Draining()
+        self.shared = writer if isinstance(writer, SharedWriter) and writer.shares else None
+        self.role: _Writing | _Draining
+        if writer.pushes:
+            self.role = _Writing(writer)
+        else:
+            self.role = _Sharing(self.shared) if self.shared is not None else _Draining()
         self.stream = stream
         self.coordinator = coordinator
         self.copy = writer.retains_tensors and not gatherer.tensors_outlive_step
@@ -175,7 +208,7 @@ class Push:
 
     def planned(self, tensors: tuple[PlannedTensor, ...]) -> None:
         """The plan announced these (its `prepare`), for the next push to know what is announced already."""
-        if isinstance(self.role, _Writing):
+        if isinstance(self.role, (_Writing, _Sharing)):
             self.role.announced = tensors
 
     def run(
@@ -195,6 +228,8 @@ class Push:
         """
         rounds = Rounds(self.coordinator)
         self.role.announce(payload.whole, rounds)
+        if self.shared is not None:
+            self._hand_ticket(rounds, payload)
         run = self.stream.open(plan, rounds, select=payload.gather, copy=self.copy, digests=digests)
         stream: Iterator[tuple[str, torch.Tensor]] = iter(run)
         if payload.patches is not None:
@@ -205,16 +240,41 @@ class Push:
             run.drain()
         except SyncTimeoutError as e:
             e.engine = engine
+            self._forget_route()
             raise
         engine = self.role.finish(rounds, payload, engine)
         try:
             failures = self.coordinator.agree_on(rounds.stage or "push", rounds.error)
         except SyncError as e:
             e.engine = e.engine or engine
+            self._forget_route()
             raise
         if failures:
+            self._forget_route()
             raise agreed_error(rounds.error, failures, engine)
         return engine, run
+
+    @property
+    def sent_bytes(self) -> int | None:
+        """Bytes this rank put on the transfer's wire in its last push (a shared writer's count; None elsewhere)."""
+        return self.shared.sent_bytes if self.shared is not None else None
+
+    def _forget_route(self) -> None:
+        """After a failed push, on every rank: a shared push's transfer is set up again at the next one."""
+        if self.shared is not None:
+            self.shared.route_failed()
+
+    def _hand_ticket(self, rounds: Rounds, payload: Payload) -> None:
+        """The pushing rank's plan of this push, on every rank (`SharedWriter`), before the stream's first round.
+        A push that writes no stream (only patches), or whose plan could not be made, is not shared.
+
+        NOTE: every rank takes part in the broadcast whatever failed before it, so none waits for another there.
+        """
+        assert self.shared is not None
+        ticket = None
+        if self.role.own_engine and not rounds.failed and (payload.patches is None or payload.whole):
+            ticket = rounds.attempt("push", self.shared.route_ticket)
+        self.shared.take_ticket(self.coordinator.broadcast(ticket))
 
     def commit(self) -> str | None:
         """The commit point of a sync every rank agreed on (and verified), on this rank: its engine's weight version

@@ -1,5 +1,6 @@
-"""The gloo backend's trainer side: rank 0 hosts the group and broadcasts each update's chunks; other ranks only
-iterate the source (their collectives).
+"""The gloo backend's trainer side: rank 0 hosts the groups and broadcasts each update's chunks; in a routed dense
+update (`fsdp_sync.transfer.routes`) every trainer rank sends the chunks its route names, point to point, to each
+worker over the route group (`route`, `RouteSender`).
 
 Every update, dense, sparse or adapter, is one round of the same shape (`_round`): open the server's weight-update
 session (a staged round joins the one already open), announce the update (`/update_weights`, answered on a thread),
@@ -32,6 +33,7 @@ from .gloo_wire import (
     DATA,
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
+    ROUTE_PREFIX,
     STAGE_APPLY,
     STAGE_RECEIVE,
     TRAILER,
@@ -46,6 +48,8 @@ from .gloo_wire import (
     plan_chunks,
     send_abort,
 )
+from .gloo_route import RouteSender
+from .routes import RoutePlan
 
 if TYPE_CHECKING:
     from fsdp_sync.compat.patch_api import EnginePatch
@@ -67,6 +71,9 @@ class GlooTrainerInitInfo(TrainerInitInfo):
         timeout_s: bound on every collective of the transfer (and the rendezvous).
         deadline: `time.monotonic()` by which the handshake must have ended (the sync's own bound; None: `timeout_s`
             alone). Trainer side only.
+        route_senders: the trainer ranks that send routed updates (each joins the route group); 0: no route group.
+        host: the store the sender listens on, made before the handshake (`listen`; None: made by it). Trainer side
+            only: a routed push's other ranks connect to it before the sender's handshake begins.
     """
 
     backend: ClassVar[str] = "gloo"
@@ -77,6 +84,13 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
     deadline: float | None = None
+    route_senders: int = 0
+    host: Any = None
+
+    @property
+    def route_world(self) -> int:
+        """The route group's size: every trainer rank that sends, and every worker."""
+        return self.route_senders + self.world_size - 1
 
 
 def _first_failure(futures: Sequence[Future], timeout_s: float, what: str) -> None:
@@ -126,11 +140,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.deadline: float | None = None
         # Chunks of data broadcast in the current round (0 until one is): whether the server can hold anything new.
         self.data_chunks = 0
+        # Bytes this rank put on the wire in its last dense round (its share, in a routed one).
+        self.sent_bytes = 0
         # Staged rounds (the writer sets it): each update is received into the server's host memory and written only
         # at `commit`, which the writer calls with the server paused.
         self.staged = False
         # A weight-update session is open on the server (staged rounds keep it open until `commit`).
         self._session = False
+        # Every trainer rank and every worker (routed updates); None where there is no route group.
+        self.route_group: dist.ProcessGroupGloo | None = None
+        # A failed routed update's sends, never waited for (`RouteSender.pending`): kept until the group goes.
+        self.abandoned: list[tuple[Any, torch.Tensor]] = []
 
     @classmethod
     def trainer_init(
@@ -149,6 +169,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         engine.rank = init_info.rank
         engine.deadline = init_info.deadline
         if not engine.is_sender:
+            if init_info.route_senders:
+                # NOTE: the sender hosts the store; this rank connects as a client (retrying until it listens).
+                address, port, timeout_s = init_info.master_address, init_info.master_port, init_info.timeout_s
+                timeout_s = _left(timeout_s, init_info.deadline)
+                engine.route_group = open_group(
+                    address, port, init_info.rank, init_info.route_world, timeout_s, prefix=ROUTE_PREFIX
+                )
             return engine
         try:
             engine._handshake(init_info)
@@ -167,11 +194,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             world_size=init_info.world_size,
             buffer_bytes=init_info.buffer_bytes,
             timeout_s=init_info.timeout_s,
+            route_senders=init_info.route_senders,
+            route_world=init_info.route_world,
         )
         address, port, world, timeout_s = (
             init_info.master_address, init_info.master_port, init_info.world_size, init_info.timeout_s
         )  # fmt: skip
-        self._host = listen(address, port, world, timeout_s)
+        self._host = init_info.host if init_info.host is not None else listen(address, port, world, timeout_s)
         # NOTE: joined here, before the thread: a client that connects while its host is being closed would retry
         # for `timeout_s`; connected, its rendezvous fails as soon as the host goes.
         joined = join(address, port, world, timeout_s)
@@ -179,23 +208,39 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         # opened on a daemon thread: if the server refuses the init, the error is raised at once, and closing the
         # store (`shutdown`) ends the abandoned rendezvous at once too.
         group: Future = Future()
+        # NOTE: the workers open the route group after the main one; so does this thread, through a store client
+        # of its own (one client is not shared between rendezvous).
+        route: Future = Future()
 
         def open_sender() -> None:
-            try:
-                group.set_result(open_group(address, port, 0, world, timeout_s, store=joined))
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                group.set_exception(e)
+            # Each group's failure goes to its own future; a failed main group fails the route group too.
+            for future, opened in ((group, lambda: open_group(address, port, 0, world, timeout_s, store=joined)),
+                                   (route, open_route)):  # fmt: skip
+                try:
+                    future.set_result(opened())
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                    future.set_exception(e)
+                    if not route.done():
+                        route.set_exception(e)
+                    return
+
+        def open_route() -> dist.ProcessGroupGloo | None:
+            if not init_info.route_senders:
+                return None
+            store = join(address, port, world, timeout_s)
+            return open_group(address, port, 0, init_info.route_world, timeout_s, store=store, prefix=ROUTE_PREFIX)
 
         threading.Thread(target=open_sender, name="fvs-gloo-rendezvous", daemon=True).start()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             answer = pool.submit(self.client.init_weight_transfer_engine, asdict(worker_info))
             wait_s = _left(init_info.timeout_s + 10, self.deadline)
-            _first_failure([answer, group], wait_s, "the gloo weight-transfer handshake")
+            _first_failure([answer, group, route], wait_s, "the gloo weight-transfer handshake")
         finally:
             # Never join the request thread here: a server that does not answer is not waited for past the bound.
             pool.shutdown(wait=False)
         self.group = group.result()
+        self.route_group = route.result()
 
     def bound(self, deadline: float | None) -> None:
         """End every wait of the next rounds by `deadline` (`time.monotonic()`; None: `timeout_s` alone)."""
@@ -205,18 +250,24 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         """Wait for one broadcast, within the round's bound."""
         work.wait(timedelta(seconds=_left(self.timeout_s, self.deadline)))
 
-    def send_weights(self) -> None:
-        """One dense update: the source's tensors, in its metadata's order."""
+    def send_weights(self, route: RoutePlan | None = None) -> None:
+        """One dense update: the source's tensors, in its metadata's order; with `route`, each worker's cuts, sent
+        by every trainer rank as the route says (this rank's share: `RouteSender`). A rank that is not the sender
+        sends its share of a routed update, and only iterates the source of any other."""
         from fsdp_sync.compat.weight_transfer import source_metadata, source_tensors
 
         source = self.source
         assert source is not None
         meta = source_metadata(source)
         if not self.is_sender:
-            for _ in source_tensors(source):
-                pass
+            if route is None:
+                for _ in source_tensors(source):
+                    pass
+                return
+            self._route_stream(source_tensors(source), meta, route)
             return
-        self._round(_announce(meta), source_tensors(source), meta)
+        update = _announce(meta, route=route.as_json() if route is not None else None)
+        self._round(update, source_tensors(source), meta, route=route)
 
     def send_patches(self, patches: Sequence[EnginePatch]) -> int:
         """One sparse update: announce the patched tensors and their counts, broadcast the encoded patches (the
@@ -259,6 +310,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         meta: list[ParamMeta],
         *,
         written_whole: bool = False,
+        route: RoutePlan | None = None,
     ) -> None:
         """One round, whatever the update: open the server's session (a staged round joins the one already open),
         announce `update` on a thread, broadcast `stream`, wait for the answer, close the session (a staged round
@@ -281,7 +333,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             pool = ThreadPoolExecutor(max_workers=1)
             try:
                 answer = pool.submit(self.client.update_weights, asdict(update))
-                self._broadcast_stream(stream, meta, answer)
+                if route is None:
+                    self._broadcast_stream(stream, meta, answer)
+                else:
+                    self._route_stream(stream, meta, route, answer, staged)
                 if written_whole and not staged:
                     self.data_chunks = max(self.data_chunks, 1)
                 _first_failure([answer], _left(self.timeout_s, self.deadline), "the server's answer to /update_weights")
@@ -305,6 +360,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         assert self.group is not None
         sizes = [nbytes(m.dtype, m.shape) for m in meta]
         stream = checked(source, meta)
+        self.sent_bytes = 0
         # The broadcast on the wire and its buffer (kept alive until the broadcast is through).
         in_flight: tuple[Any, torch.Tensor] | None = None
         for chunk in plan_chunks(sizes, self.buffer_bytes):
@@ -326,12 +382,34 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             if in_flight is not None:
                 self._wait(in_flight[0])
             in_flight = (broadcast(self.group, buffer), buffer)
+            self.sent_bytes += buffer.numel()
             if not self.staged:  # a staged chunk is kept in the server's host memory, not written
                 self.data_chunks += 1
         if in_flight is not None:
             self._wait(in_flight[0])
         for name, _ in stream:  # the metadata was shorter than the stream
             raise ValueError(f"the weight stream yielded {name!r} after the {len(meta)} announced tensors")
+
+    def _route_stream(
+        self,
+        source: Iterable[tuple[str, torch.Tensor]],
+        meta: list[ParamMeta],
+        route: RoutePlan,
+        answer: Future | None = None,
+        staged: bool = False,
+    ) -> None:
+        """This rank's share of a routed update (`RouteSender`), the server's answer (the sender's) checked at every
+        chunk; the chunks the stream completed are counted (`data_chunks`: any rank may have sent them)."""
+        if self.route_group is None:
+            raise RuntimeError("a routed update, but this rank joined no route group (trainer_init without it)")
+        sender = RouteSender(self.route_group, route, self.rank, self._wait, answer=answer)
+        try:
+            sender.send(checked(source, meta), meta)
+        finally:
+            self.abandoned += sender.pending
+            self.sent_bytes = sender.sent_bytes
+            if not staged:
+                self.data_chunks += sender.completed
 
     def gather_answers(self, request: Callable[[], Any], what: str) -> list[bytes]:
         """Every server worker's answer, sent to this rank over the transfer group while `request` (the call that
@@ -387,7 +465,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         reference), and the group's connections close once nothing else holds the group (gloo groups have no
         explicit close). The server's workers leave the group when the next handshake replaces it."""
         self.group = None
+        self.route_group = None
         self._host = None
+        self.abandoned = []
 
 
 def _announce(meta: Sequence[ParamMeta], **fields: Any) -> GlooUpdateInfo:

@@ -12,6 +12,11 @@ the group:
   receive loop (`received_chunks`) raises `UpdateAborted` at once instead of waiting for the timeout.
 - a sparse update (`counts` given): each tensor travels as three segments (`GlooUpdateInfo.segment_sizes`: changes
   per block, low index bits, values; `fsdp_sync.patch_codec`), chunked the same way.
+- a routed dense update (`route` given, `fsdp_sync.transfer.routes`): a second group, the route group, of every
+  trainer rank and every worker (`route_senders` trainer ranks first); each worker receives its own chunks, of its
+  cut of each tensor, point to point from the trainer rank the route names (`send_to`, `routed_chunks`), with the
+  same trailer. A trainer rank whose stream stops sends each worker `ABORT` as its own next chunk to that worker
+  (the first chunk a worker still waits for is always such a chunk of some rank).
 - answers (`gather_to_sender`): the other way, each worker's few bytes (a JSON answer) to rank 0: every worker of
   every data-parallel replica answers (`fsdp_sync.transfer.questions`, `Route.EVERY_REPLICA`).
 """
@@ -41,6 +46,7 @@ __all__ = [
     "Chunk",
     "GlooUpdateInfo",
     "GlooWorkerInitInfo",
+    "ROUTE_PREFIX",
     "UpdateAborted",
     "broadcast",
     "gather_to_sender",
@@ -50,7 +56,9 @@ __all__ = [
     "open_group",
     "plan_chunks",
     "received_chunks",
+    "routed_chunks",
     "send_abort",
+    "send_to",
 ]
 
 DEFAULT_BUFFER_BYTES = 64 * 2**20
@@ -63,6 +71,7 @@ TRAILER = ALIGN
 DATA, ABORT = 1, 2
 STAGE_RECEIVE, STAGE_APPLY = "receive", "apply"
 _STORE_PREFIX = "fsdp_vllm_sync/gloo"
+ROUTE_PREFIX = "fsdp_vllm_sync/gloo/route"
 
 
 class UpdateAborted(RuntimeError):
@@ -115,6 +124,10 @@ class GlooWorkerInitInfo(WeightTransferInitInfo):
     world_size: int
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # The route group (routed dense updates): the trainer ranks that send (0: none; a trainer of an earlier version
+    # of this package), and its size (those ranks and every worker).
+    route_senders: int = 0
+    route_world: int = 0
 
 
 @dataclass
@@ -136,6 +149,9 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     # None: received and written now; "receive": received into host memory and kept (staged); "apply": write what was
     # staged (its names, dtypes and shapes are empty).
     stage: str | None = None
+    # A routed dense update (`fsdp_sync.transfer.routes.RoutePlan.as_json`): each worker's cuts and their senders;
+    # None: every tensor whole, broadcast from the sender.
+    route: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (None, STAGE_RECEIVE, STAGE_APPLY):
@@ -222,9 +238,11 @@ def open_group(
     world_size: int,
     timeout_s: float,
     store: dist.TCPStore | None = None,
+    prefix: str = _STORE_PREFIX,
 ) -> dist.ProcessGroupGloo:
     """A standalone gloo group over TCP, joined through the store the sender hosts (`listen`; `store`: a client of
-    it already connected); touches no default process group."""
+    it already connected); touches no default process group. `prefix`: which group of that store (`ROUTE_PREFIX`:
+    the route group)."""
     timeout = timedelta(seconds=timeout_s)
     store = store or join(master_address, master_port, world_size, timeout_s)
     options = dist.ProcessGroupGloo._Options()
@@ -232,7 +250,7 @@ def open_group(
     # NOTE: gloo binds to the interface of the hostname by default, which may not be the one that reaches the peer;
     # bind to the address that routes to the store's host instead (loopback for a server on 127.0.0.1).
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
-    return dist.ProcessGroupGloo(dist.PrefixStore(_STORE_PREFIX, store), rank, world_size, options)
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, options)
 
 
 def broadcast(group: dist.ProcessGroupGloo, buffer: torch.Tensor) -> Any:
@@ -255,6 +273,36 @@ def received_chunks(
         broadcast(group, buffer).wait()
         if int(buffer[chunk.nbytes]) != DATA:
             raise UpdateAborted(f"the trainer aborted the update {aborted}")
+        yield chunk, buffer
+
+
+def send_to(group: dist.ProcessGroupGloo, buffer: torch.Tensor, rank: int, tag: int) -> Any:
+    """One chunk to one rank of the route group (asynchronous: returns the work to wait for)."""
+    return group.send([buffer], rank, tag)
+
+
+def routed_chunks(
+    group: dist.ProcessGroupGloo,
+    sizes: Sequence[int],
+    buffer_bytes: int,
+    sources: Sequence[int],
+    tag: int,
+    aborted: str,
+) -> Iterator[tuple[Chunk, torch.Tensor]]:
+    """A worker's chunks of one routed update, each from the trainer rank that sends it (`sources`), as they arrive.
+
+    Raises:
+        UpdateAborted: a trainer rank marked the chunk `ABORT`; `aborted` says where.
+        ValueError: the route names fewer senders than this worker has chunks (the two ends disagree).
+    """
+    chunks = plan_chunks(sizes, buffer_bytes)
+    if len(chunks) != len(sources):
+        raise ValueError(f"the route names {len(sources)} chunk sender(s) for this worker's {len(chunks)} chunks")
+    for chunk, source in zip(chunks, sources):
+        buffer = torch.empty(chunk.nbytes + TRAILER, dtype=torch.uint8)
+        group.recv([buffer], source, tag).wait()
+        if int(buffer[chunk.nbytes]) != DATA:
+            raise UpdateAborted(f"trainer rank {source} aborted the update {aborted}")
         yield chunk, buffer
 
 

@@ -1,7 +1,8 @@
 """The gloo backend's worker side: runs inside each vLLM worker, joins the trainer's group and receives each update in
 the round it announces.
 
-- dense (`_DenseRound`): the chunks' tensors handed to the model's `load_weights` inside vLLM's layer-wise reload
+- dense (`_DenseRound`): the chunks' tensors (a routed update: this worker's cut of each, from the trainer rank
+  its route names, widened to the full shape for the loader: `fsdp_sync.transfer.routes`) handed to the model's `load_weights` inside vLLM's layer-wise reload
   (begun at the first chunk, finalised in `finish_weight_update`), which is what checkpoint-format weights need on
   repacked (CPU) and quantized layers. An update that ends part-way (the trainer's abort marker, a failed receive)
   gives layers that received only part of their weights their previous ones back before finalising, so every engine
@@ -35,12 +36,15 @@ from .gloo_wire import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
     Chunk,
+    ROUTE_PREFIX,
     GlooUpdateInfo,
     GlooWorkerInitInfo,
     UpdateAborted,
     open_group,
     received_chunks,
+    routed_chunks,
 )
+from .routes import RoutePlan, widen
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -116,19 +120,28 @@ class _DenseRound:
         loader (inside the reload)."""
         from fsdp_sync.compat.reload_api import partial_loads
 
-        dtypes, sizes = info.dtypes(), info.tensor_sizes()
+        dtypes = info.dtypes()
+        cuts, sizes = self.engine.cuts(info)
         if received is None:
             received = self.engine.receive(info, "part-way")
+        received = iter(received)
         tied = _TiedValues(self.ties or {})
         with partial_loads():
             for chunk, buffer in received:
                 weights = []
-                for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
-                    flat = buffer[offset : offset + sizes[i]].view(dtypes[i])
-                    weights.append((info.names[i], flat.view(info.shapes[i])))
-                    tied.check(*weights[-1])
-                # The views keep the chunk alive for as long as the layer-wise reload holds them.
-                self.engine.model.load_weights(weights)
+                try:
+                    for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
+                        flat = buffer[offset : offset + sizes[i]].view(dtypes[i])
+                        weights.append((info.names[i], widen(flat, info.shapes[i], cuts[i])))
+                        tied.check(*weights[-1])
+                    # The views keep the chunk alive for as long as the layer-wise reload holds them.
+                    self.engine.model.load_weights(weights)
+                except Exception:
+                    # NOTE: the rest of the update is received and dropped before this is raised: its senders (every
+                    # trainer rank, in a routed update) would otherwise wait on this worker until their timeout.
+                    for _ in received:
+                        pass
+                    raise
                 del weights, buffer
 
     def finish(self) -> None:
@@ -307,6 +320,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: dist.ProcessGroupGloo | None = None
+        # Every trainer rank and every worker (routed dense updates); None where the trainer opened none.
+        self.route_group: dist.ProcessGroupGloo | None = None
         self.buffer_bytes = DEFAULT_BUFFER_BYTES
         self.timeout_s = DEFAULT_TIMEOUT_S
         self._dense = _DenseRound(self)
@@ -328,7 +343,23 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         """
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized; call /init_weight_transfer_engine first.")
-        return received_chunks(self.group, info.tensor_sizes(), self.buffer_bytes, where)
+        if info.route is None:
+            return received_chunks(self.group, info.tensor_sizes(), self.buffer_bytes, where)
+        if self.route_group is None:
+            raise RuntimeError("a routed weight update arrived, but this worker joined no route group (the trainer "
+                               "runs another version of fsdp-vllm-sync: install the same one on both)")
+        route = RoutePlan.from_json(info.route)
+        worker = self._worker_rank()
+        _, sizes = self.cuts(info)
+        return routed_chunks(self.route_group, sizes, route.buffer_bytes, route.sources[worker], route.tag, where)
+
+    def cuts(self, info: GlooUpdateInfo) -> tuple[list[list[int] | None], list[int]]:
+        """This worker's cut of each tensor of a dense update (None: whole) and the bytes of each on the wire."""
+        if info.route is None:
+            return [None] * len(info.names), info.tensor_sizes()
+        route = RoutePlan.from_json(info.route)
+        worker = self._worker_rank()
+        return route.cuts_of(worker), route.sizes(worker, info.shapes, info.dtypes())
 
     def init_transfer_engine(self, init_info: GlooWorkerInitInfo) -> None:
         """Join the trainer's group; a new trainer (a restarted job) replaces the previous one."""
@@ -339,10 +370,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         # with that group's error).
         self._staging = _Staging(self)
         rank = init_info.rank_offset + self._worker_rank()
-        self.group = open_group(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
-        )
-        logger.info("gloo weight transfer: joined %s:%d as rank %d", init_info.master_address, init_info.master_port, rank)
+        address, port, timeout_s = init_info.master_address, init_info.master_port, init_info.timeout_s
+        self.group = open_group(address, port, rank, init_info.world_size, timeout_s)
+        if init_info.route_senders:
+            route_rank = init_info.route_senders + self._worker_rank()
+            self.route_group = open_group(
+                address, port, route_rank, init_info.route_world, timeout_s, prefix=ROUTE_PREFIX
+            )
+        logger.info(
+            "gloo weight transfer: joined %s:%d as rank %d (route group: %d trainer rank(s) send)",
+            address, port, rank, init_info.route_senders,
+        )  # fmt: skip
 
     def start_weight_update(self) -> None:
         """Nothing yet: whether the update reloads (dense) or patches in place (sparse) comes with it."""
@@ -385,4 +423,5 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
     def shutdown(self) -> None:
         # Dropping the group closes its sockets; gloo groups have no explicit destroy.
         self.group = None
+        self.route_group = None
 

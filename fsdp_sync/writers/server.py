@@ -1,22 +1,26 @@
 """Server writer: weights go to a separate vLLM server through vLLM's weight-transfer API.
 
 Split by concern: the backends and what each can carry (`server_transports.py`), what the server says of its weights
-(`server_layout.py`: digests, cuts, patchable weights), adapter syncs (`server_adapters.py`); this module holds the
-session with the server, the push, its pause and staging, and the weight versions.
+(`server_layout.py`: digests, cuts, patchable weights), adapter syncs (`server_adapters.py`), routed pushes from every
+trainer rank (`server_routes.py`); this module holds the session with the server, the push, its pause and staging,
+and the weight versions.
 
 The transport is the one the server was started with (`--weight-transfer-config '{"backend": ...}'`), chosen once:
 `nccl` (vLLM's own NCCL trainer engine, what TRL uses; CUDA trainers) or `gloo` (this package's CPU backend,
 `fsdp_sync.transfer.gloo`). Both are reached through vLLM's registry of trainer engines and driven through the same
 four-call protocol (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`).
 
-Only the main process sends. The tensors are announced from the sync plan (names, engine dtypes, shapes in stream
-order), so there is no metadata gather pass as in TRL.
+The main process talks to the server (every HTTP call, the handshake it hosts). On a backend that routes (gloo:
+`server_routes.py`), every trainer rank sends its share of each dense update and each worker receives only its cut;
+elsewhere the main process sends every tensor. The tensors are announced from the sync plan (names, engine dtypes,
+shapes in stream order), so there is no metadata gather pass as in TRL.
 
-Why rank 0's sends never wait on a collective the other ranks are not in: the sender only sends while it iterates
-the sync's stream, and every tensor of that stream comes out of a gather that all ranks run in the same order (the
-other ranks drain the same stream). The transfer group is a separate group of the sender and the server's workers;
-the trainer's ranks run no collective inside it. After a failed send the sender drains the rest of the stream (so
-the gathers complete on every rank) before the ranks agree on the outcome (`fsdp_sync.sync.push.Push.run`).
+Why no rank's sends wait on a collective another rank is not in: a rank only sends while it iterates the sync's
+stream, and every tensor of that stream comes out of a gather that all ranks run in the same order. The transfer
+groups are groups of their own (the sender and the server's workers; for routed updates every trainer rank and every
+worker, point to point only); the trainer's ranks run no collective inside them. After a failed send a rank drains
+the rest of the stream (so the gathers complete on every rank) before the ranks agree on the outcome
+(`fsdp_sync.sync.push.Push.run`).
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ from fsdp_sync.compat.patch_api import EnginePatch
 from fsdp_sync.compat.server_api import ServerInfo
 from fsdp_sync.compat.vllm_patches import unfixed_reload_gaps
 from fsdp_sync.compat.weight_transfer import PlanSource, plan_source, source_metadata, trainer_transfer_engine
+from ..distributed import world_size as trainer_ranks
 from ..errors import EngineState, SyncError
 from ..versions import ServerVersions
 from ..server_client import ServerClient, ServerConfigError, ServerRequestError, ServerUnavailableError
 from .server_adapters import ServerAdapters
 from .server_layout import ServerLayout
+from .server_routes import ServerRoutes
 from .server_transports import (
     SUPPORTED_BACKENDS,
     Cut,
@@ -85,7 +91,7 @@ class ServerResumeError(ServerPushError):
     """The weights were written under a pause, but the server did not resume its generation (`POST /resume`)."""
 
 
-class ServerWriter(ServerLayout, ServerAdapters):
+class ServerWriter(ServerLayout, ServerAdapters, ServerRoutes):
     """Push into a vLLM server through its weight-transfer API.
 
     Args:
@@ -152,6 +158,7 @@ class ServerWriter(ServerLayout, ServerAdapters):
         # and not yet published (staged on the workers; verify reads it).
         self._adapter_name: str | None = None
         self._staged_name: str | None = None
+        self._init_routes()
 
     def manifest(self) -> EngineManifest:
         try:
@@ -231,6 +238,7 @@ class ServerWriter(ServerLayout, ServerAdapters):
     def _drop_transfer(self) -> None:
         """Close the transfer now (its group port is free when this returns); the next push sets it up again."""
         engine, self._engine = self._engine, None
+        self._route_host = None
         if engine is not None:
             try:
                 engine.shutdown()
@@ -253,6 +261,9 @@ class ServerWriter(ServerLayout, ServerAdapters):
             self.timeout_s,
             self._deadline,
         )
+        if self._ticket is not None:
+            # a routed push: every trainer rank joins the route group, at the store `route_ticket` listens on
+            fields.update(route_senders=trainer_ranks(), host=self._route_host)
         init_info = engine_cls.init_info_cls(**fields, rank=0)
         engine = engine_cls.trainer_init(init_info, client=self.client, source=self._source)
         if self.staged:
@@ -300,6 +311,12 @@ class ServerWriter(ServerLayout, ServerAdapters):
         as `ServerPushError` / `ServerTransportError`. Either way the transfer is set up again at the next sync, and
         the error says what the server holds."""
         assert self._source is not None, "prepare() must be called first"
+        try:
+            self._write(weights)
+        finally:
+            self._ticket = self._route_host = None  # a ticket is for one push (the engine holds the store now)
+
+    def _write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         stage = "connect"
         cut = Cut()
         engine: Any = None
@@ -311,21 +328,23 @@ class ServerWriter(ServerLayout, ServerAdapters):
                 stream = completed_with_placeholders(stream, source_metadata(self._source), cut)
             self._source.feed(stream)
             self._round_open = True
+            route = self.route
             if self.pause_for_write and not self.staged:
                 # NOTE: the prefix-cache reset inside the pause, as a staged commit does: a request resumed before it
                 # could reuse KV blocks computed from the previous weights.
                 with self._paused():
-                    self._engine.send_weights()
+                    self._send(route)
                     self._round_open = False
                     stage = "reset"
                     self.client.reset_prefix_cache()
             else:
-                self._engine.send_weights()
+                self._send(route)
             self._round_open = False
         except ServerResumeError:
             raise
         except UpstreamError as e:
-            if not self.transport.aborts_round:
+            if not self.transport.aborts_round or self._ticket is not None:
+                # NOTE: a routed round is set up again on every rank (each rank drops its own after a failure).
                 self._drop_transfer()
             raise ServerPushError(
                 f"The weight stream failed upstream of the server ({e.error}); the update was aborted.",
@@ -351,6 +370,13 @@ class ServerWriter(ServerLayout, ServerAdapters):
                 f"placeholder tensors ({self.backend} cannot abort a round).",
                 engine=EngineState("undefined", undefined=tuple(cut.placeholders), note="placeholders ended the round"),
             ) from cut.error
+
+    def _send(self, route: Any) -> None:
+        """The round itself: routed where this update has a route (`ServerRoutes`), else broadcast."""
+        if route is None:
+            self._engine.send_weights()
+        else:
+            self._engine.send_weights(route)
 
     def _failed(self, stage: str, engine: Any, error: Exception) -> EngineState:
         """After the server or the transfer failed: close the transfer now (the next push sets it up again) and say

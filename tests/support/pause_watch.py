@@ -1,6 +1,6 @@
 """Test-side oracle for "the server is paused only around the write": the server's own `GET /is_paused`, polled from
 a thread of the trainer's main process during a whole sync, against the times that process moved the sync's data
-(the weight all-gathers and patch gathers of the training group, the broadcasts to the server).
+(the weight all-gathers and patch gathers of the training group, the broadcasts and routed sends to the server).
 
 Why from outside: the writer's own timers (`last_pause`) only time the pause the writer asked for; a writer that
 silently paused over the send would still report a short pause around its own block. Here the server says when it
@@ -85,10 +85,14 @@ class PauseWatch:
             setattr(dist, fn, self._timed(original, named=True))
             self._restore.append(lambda fn=fn, original=original: setattr(dist, fn, original))
         # NOTE: the transfer to the server broadcasts on its own gloo group's method (`group.broadcast`), not through
-        # torch.distributed's functions; every chunk of every round is one such call on the sending rank.
-        original_broadcast = dist.ProcessGroupGloo.broadcast
-        dist.ProcessGroupGloo.broadcast = self._timed(original_broadcast, named=False)
-        self._restore.append(lambda: setattr(dist.ProcessGroupGloo, "broadcast", original_broadcast))
+        # torch.distributed's functions; every chunk of every round is one such call on the sending rank. A routed
+        # round sends each chunk point to point (`group.send`), from every trainer rank.
+        for method in ("broadcast", "send"):
+            original_method = getattr(dist.ProcessGroupGloo, method)
+            setattr(dist.ProcessGroupGloo, method, self._timed(original_method, named=False))
+            self._restore.append(
+                lambda method=method, original=original_method: setattr(dist.ProcessGroupGloo, method, original)
+            )
 
     # --- polling the server ------------------------------------------------------------------------------------------
 

@@ -1,0 +1,176 @@
+"""Routed dense updates (`fsdp_sync.transfer.routes`, `gloo_trainer.RouteSender`, `gloo_wire.routed_chunks`): the
+cuts read from the workers' rules, the senders balanced by bytes, and a real gloo route group (two trainer ranks and
+two workers, threads of this process) over which each worker receives exactly its cut of every tensor from the rank
+its route names, and an abort from whichever rank it waits for."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import ParamMeta
+
+from fsdp_sync.compat.tp_shards import expected_shard
+from fsdp_sync.transfer.gloo_route import RouteSender
+from fsdp_sync.transfer.gloo_wire import TRAILER, UpdateAborted, plan_chunks, routed_chunks
+from fsdp_sync.transfer.routes import plan_cuts, plan_route, take, widen
+
+pytestmark = pytest.mark.unit
+
+# Qwen2-like: q/k/v packed into qkv_proj, o_proj row-parallel, a padded vocabulary, a norm.
+NAMES = ["embed.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "norm.weight"]
+SHAPES = [(10, 4), (8, 4), (4, 4), (4, 4), (4, 8), (4,)]
+PACKED = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3)}
+
+
+def _parameter(name: str) -> tuple[str, int, int]:
+    module, _, leaf = name.rpartition(".")
+    fused, index, parts = PACKED.get(module, (module, 0, 1))
+    return f"{fused}.{leaf}", index, parts
+
+
+def _rules(tp_rank: int) -> dict:
+    return {
+        "embed.weight": {"dim": 0, "parts": [[5 * tp_rank, 5]], "rows": 6},
+        "qkv_proj.weight": {"dim": 0, "parts": [[4 * tp_rank, 4], [2 * tp_rank, 2], [2 * tp_rank, 2]], "rows": None},
+        "o_proj.weight": {"dim": 1, "parts": [[4 * tp_rank, 4]], "rows": None},
+        "norm.weight": {"dim": None},
+    }
+
+
+def test_cuts_are_what_each_workers_loader_reads_and_unknown_layers_go_whole() -> None:
+    rules = [_rules(0), _rules(1)]
+    rules[1]["o_proj.weight"] = None  # a layer tp_shards does not know: never guessed
+    cuts, whole = plan_cuts(NAMES, SHAPES, _parameter, rules)
+    assert cuts[0] == [[0, 0, 5], [0, 0, 4], [0, 0, 2], [0, 0, 2], [1, 0, 4], None]
+    assert cuts[1] == [[0, 5, 5], [0, 4, 4], [0, 2, 2], [0, 2, 2], None, None]
+    assert whole == []  # a rule-less layer is whole without a note; a rule that disagrees is noted
+    rules[0]["qkv_proj.weight"] = {"dim": 0, "parts": [[0, 4]], "rows": None}  # packing disagrees with the naming
+    cuts, whole = plan_cuts(NAMES, SHAPES, _parameter, rules)
+    assert cuts[0][1:4] == [None, None, None] and whole == ["q_proj.weight", "k_proj.weight", "v_proj.weight"]
+
+
+def test_widened_cuts_give_each_worker_the_shard_its_loader_keeps() -> None:
+    torch.manual_seed(0)
+    tensors = {n: torch.randn(s, dtype=torch.bfloat16) for n, s in zip(NAMES, SHAPES)}
+    cuts, _ = plan_cuts(NAMES, SHAPES, _parameter, [_rules(0), _rules(1)])
+    for place in (0, 1):
+        received = {n: widen(take(tensors[n], c).contiguous(), s, c) for n, s, c in zip(NAMES, SHAPES, cuts[place])}
+        rules = _rules(place)
+        qkv = [received[n] for n in NAMES[1:4]]
+        assert torch.equal(
+            expected_shard(qkv, rules["qkv_proj.weight"]), expected_shard([tensors[n] for n in NAMES[1:4]], rules["qkv_proj.weight"])
+        )
+        for name, engine in (("embed.weight", "embed.weight"), ("o_proj.weight", "o_proj.weight")):
+            assert torch.equal(expected_shard([received[name]], rules[engine]), expected_shard([tensors[name]], rules[engine]))
+        assert torch.equal(received["norm.weight"], tensors["norm.weight"])
+
+
+def test_chunks_are_spread_over_the_senders_by_bytes() -> None:
+    shapes = [(256, 64)] * 12
+    dtypes = [torch.float32] * 12
+    cuts = [[[0, 0, 128]] * 12, [[0, 128, 128]] * 12]  # TP2: each worker half of every tensor
+    route = plan_route(shapes, dtypes, cuts, senders=3, workers=4, buffer_bytes=2 * 128 * 64 * 4, tag=7)
+    assert [len(s) for s in route.sources] == [6, 6, 6, 6]
+    sent = [sum(1 for s in route.sources for r in s if r == rank) for rank in range(3)]
+    assert sent == [8, 8, 8]  # 24 equal chunks over 3 ranks
+    assert route.sizes(2, shapes, dtypes) == [128 * 64 * 4] * 12  # worker 2 is at place 0 of the second replica
+    # a buffer far larger than a worker's stream: chunks of a quarter of a sender's share (balance), and the senders
+    # named chunk by chunk as both ends cut the stream
+    big = plan_route(shapes, dtypes, cuts, senders=3, workers=2, buffer_bytes=1 << 30)
+    assert big.buffer_bytes == 64 * 2**10  # a quarter of a sender's share (32 KiB) is under the smallest chunk
+    for w in range(2):
+        assert len(big.sources[w]) == len(plan_chunks(big.sizes(w, shapes, dtypes), big.buffer_bytes)) == 6
+    assert [sum(1 for s in big.sources for r in s if r == rank) for rank in range(3)] == [4, 4, 4]
+    with pytest.raises(ValueError, match="whole replicas"):
+        plan_route(shapes, dtypes, cuts, senders=2, workers=3, buffer_bytes=1 << 20)
+
+
+def _group(store: dist.Store, rank: int, world: int) -> dist.ProcessGroupGloo:
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=30)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, world, options)
+
+
+def _run_route(fail_at: int | None) -> tuple[dict[int, list], dict[int, BaseException], list[RouteSender]]:
+    """Two trainer ranks send a routed update of NAMES to two TP workers over a real gloo group (threads); with
+    `fail_at`, rank 1's stream fails at that tensor (rank 0's stops there too, as at the gather's next round)."""
+    torch.manual_seed(1)
+    tensors = [torch.randn(s, dtype=torch.bfloat16) for s in SHAPES]
+    meta = [ParamMeta(n, torch.bfloat16, s) for n, s in zip(NAMES, SHAPES)]
+    cuts, _ = plan_cuts(NAMES, SHAPES, _parameter, [_rules(0), _rules(1)])
+    # 3 tensors' cuts a chunk at most: several chunks per worker, from both ranks
+    route = plan_route(SHAPES, [torch.bfloat16] * 6, cuts, senders=2, workers=2, buffer_bytes=200, tag=3)
+    assert all(len(s) >= 2 for s in route.sources) and {r for s in route.sources for r in s} == {0, 1}, route.sources
+    store = dist.HashStore()
+    received: dict[int, list] = {}
+    errors: dict[int, BaseException] = {}
+    senders: list[RouteSender] = []
+
+    def stream(rank: int):
+        for i, (m, t) in enumerate(zip(meta, tensors)):
+            if fail_at is not None and i == fail_at:
+                raise RuntimeError(f"rank {rank} stopped")
+            yield m.name, t
+
+    def trainer(rank: int) -> None:
+        group = _group(store, rank, 4)
+        sender = RouteSender(group, route, rank, lambda work: work.wait(timedelta(seconds=30)))
+        senders.append(sender)
+        try:
+            sender.send(stream(rank), meta)
+        except BaseException as e:  # noqa: BLE001
+            errors[rank] = e
+
+    def worker(w: int) -> None:
+        group = _group(store, 2 + w, 4)
+        sizes = route.sizes(w, SHAPES, [torch.bfloat16] * 6)
+        out = received[w] = []
+        try:
+            for chunk, buffer in routed_chunks(group, sizes, route.buffer_bytes, route.sources[w], route.tag, "here"):
+                for i, offset in zip(range(chunk.start, chunk.stop), chunk.offsets):
+                    flat = buffer[offset : offset + sizes[i]].view(torch.bfloat16)
+                    out.append(widen(flat, SHAPES[i], route.cuts_of(w)[i]))
+        except BaseException as e:  # noqa: BLE001
+            errors[2 + w] = e
+
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 1)]
+    threads += [threading.Thread(target=worker, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    expected = {w: [take(t, c) for t, c in zip(tensors, route.cuts_of(w))] for w in (0, 1)}
+    for w, got in received.items():
+        for i, full in enumerate(got):
+            assert torch.equal(take(full, route.cuts_of(w)[i]), expected[w][i]), (w, NAMES[i])
+    return received, errors, senders
+
+
+def test_each_worker_receives_exactly_its_cut_from_the_rank_its_route_names() -> None:
+    received, errors, senders = _run_route(None)
+    assert not errors, errors
+    assert [len(received[w]) for w in (0, 1)] == [6, 6]
+    # both ranks sent a share; together exactly the chunks of both workers' cuts (about half of every full tensor
+    # each, the norm whole), never a full tensor to a worker that keeps half of it
+    route = senders[0].route
+    chunk_bytes = sum(
+        c.nbytes + TRAILER for w in (0, 1) for c in plan_chunks(route.sizes(w, SHAPES, [torch.bfloat16] * 6), route.buffer_bytes)
+    )
+    assert all(s.sent_bytes > 0 for s in senders) and sum(s.sent_bytes for s in senders) == chunk_bytes
+    cut = sum(sum(route.sizes(w, SHAPES, [torch.bfloat16] * 6)) for w in (0, 1))
+    full = sum(2 * torch.Size(s).numel() for s in SHAPES)  # bf16 bytes of every full tensor
+    assert cut == 2 * 2 * (20 + 16 + 8 + 8 + 16 + 4) and cut < 2 * full * 0.55  # halves, the norm whole
+
+
+def test_a_stream_that_stops_part_way_aborts_every_worker_at_once() -> None:
+    received, errors, senders = _run_route(fail_at=3)
+    assert isinstance(errors[0], RuntimeError) and isinstance(errors[1], RuntimeError)
+    for w in (0, 1):
+        assert isinstance(errors[2 + w], UpdateAborted), errors
+        assert len(received[w]) < 6  # the tensors of the chunks completed before the stop, nothing after
