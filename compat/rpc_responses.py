@@ -8,7 +8,8 @@ failed on every worker (a round the trainer aborted), every later call got worke
 it failed). Single-worker engines (every data-parallel replica of one worker) have one queue and are not affected.
 
 The patch keeps vLLM's own call and only replaces how its answers are read, for calls without output aggregators
-(every call this package makes): all answers are read (within the call's timeout), then the first failure is raised.
+other than the generation steps (every call this package makes): all answers are read (within the call's timeout),
+then the first failure is raised.
 Feature-detected: applied where the executor's call returns a future whose reader can be replaced
 (`FutureWrapper.get_response`); elsewhere logged and left as is. Installed in every vLLM process by the package's
 plugin (`fsdp_sync.transfer.plugin.register`); the engine core's executor is the one that reads the answers.
@@ -27,6 +28,9 @@ __all__ = ["read_every_worker_answer"]
 logger = logging.getLogger(__name__)
 
 _PATCHED = "_fsdp_vllm_sync_reads_every_answer"
+# The engine's own generation steps keep vLLM's reader as it is: a failure there ends the engine anyway, and their
+# futures are the ones vLLM pipelines (non-blocking); only the other calls (weight updates, questions) are read whole.
+_GENERATION_CALLS = frozenset({"execute_model", "sample_tokens"})
 
 
 def read_every_worker_answer() -> bool:
@@ -49,7 +53,7 @@ def read_every_worker_answer() -> bool:
     @functools.wraps(original)
     def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None,
                        non_block: bool = False, unique_reply_rank: int | None = None, **aggregators: Any) -> Any:  # fmt: skip
-        if any(a is not None for a in aggregators.values()):
+        if any(a is not None for a in aggregators.values()) or method in _GENERATION_CALLS:
             return original(self, method, timeout, args, kwargs, non_block, unique_reply_rank, **aggregators)
         deadline = None if timeout is None else time.monotonic() + timeout
         future = original(self, method, timeout, args, kwargs, True, unique_reply_rank)

@@ -174,3 +174,51 @@ def test_a_stream_that_stops_part_way_aborts_every_worker_at_once() -> None:
     for w in (0, 1):
         assert isinstance(errors[2 + w], UpdateAborted), errors
         assert len(received[w]) < 6  # the tensors of the chunks completed before the stop, nothing after
+
+
+class _TwoWorkerClient:
+    """A tensor-parallel server of two workers, as the sender asks it (its workers and their cuts)."""
+
+    base_url = "http://127.0.0.1:1"
+
+    def world_size(self) -> int:
+        return 2
+
+    def shard_rules(self) -> dict:
+        return {f"pp0:pcp0:tp{i}": {"qkv_proj.weight": _rules(i)["qkv_proj.weight"]} for i in (0, 1)}
+
+
+def test_the_sender_plans_each_push_from_the_workers_cuts_and_sets_the_route_up_once(monkeypatch, tmp_path) -> None:
+    """`ServerRoutes.route_ticket`: the first push sets the transfer up (a store listens on the group port for the
+    other ranks), later ones reuse it; each worker's cut comes from its own rules, by place; a tensor no rule cuts
+    goes whole; a server of one worker is not routed. After a failed routed push every rank drops its
+    transfer; a broadcast push's failure keeps it."""
+    from fsdp_sync.compat.manifest import PlannedTensor, TensorSpec
+    from fsdp_sync.compat.server_api import ServerInfo
+    from fsdp_sync.writers import server_routes
+    from fsdp_sync.writers.server import ServerWriter
+    from tests.support.dist import free_port
+
+    info = ServerInfo(model=str(tmp_path), dtype=torch.bfloat16, weight_transfer_backend="gloo", served_name="m")
+    writer = ServerWriter(_TwoWorkerClient(), info, group_port=free_port(), buffer_bytes=1 << 20, timeout_s=5)  # type: ignore[arg-type]
+    monkeypatch.setattr(server_routes, "world_size", lambda: 2)
+    monkeypatch.setattr(server_routes, "engine_naming_for_architectures", lambda _: type("N", (), {"parameter": staticmethod(_parameter)})())
+    planned = [PlannedTensor(n, TensorSpec(s, torch.bfloat16), (n,)) for n, s in zip(NAMES, SHAPES)]
+    writer.prepare(planned)
+    first = writer.route_ticket()
+    assert first is not None and first.connect and first.workers == 2 and writer._route_host is not None
+    route = first.route
+    assert route["senders"] == 2 and route["replica"] == 2
+    assert route["cuts"][1][1:4] == [[0, 4, 4], [0, 2, 2], [0, 2, 2]]  # q, k, v: worker 1's rows, by its rules
+    assert route["cuts"][0][0] is None and route["cuts"][0][4] is None  # no rule: whole
+    writer._engine = type("Engine", (), {"route_group": object(), "shutdown": lambda self: None})()
+    second = writer.route_ticket()
+    assert second is not None and not second.connect and second.route["tag"] == route["tag"] + 1
+    writer.take_ticket(None)
+    writer.route_failed()
+    assert writer._engine is not None, "a broadcast push's failure keeps the transfer"
+    writer.take_ticket(second)
+    writer.route_failed()
+    assert writer._engine is None and writer._route_host is None
+    monkeypatch.setattr(_TwoWorkerClient, "world_size", lambda self: 1)
+    assert writer.route_ticket() is None  # a server of one worker: broadcast, from 2 ranks too
