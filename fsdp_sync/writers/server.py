@@ -11,8 +11,8 @@ The transport is the one the server was started with (`--weight-transfer-config 
 four-call protocol (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`).
 
 The main process talks to the server (every HTTP call, the handshake it hosts). On a backend that routes (gloo:
-`server_routes.py`), every trainer rank sends its share of each dense update and each worker receives only its cut;
-elsewhere the main process sends every tensor. The tensors are announced from the sync plan (names, engine dtypes,
+`server_routes.py`) into a server of several workers, every trainer rank sends its share of each dense update and
+each worker receives only its cut; elsewhere the main process sends every tensor. The tensors are announced from the sync plan (names, engine dtypes,
 shapes in stream order), so there is no metadata gather pass as in TRL.
 
 Why no rank's sends wait on a collective another rank is not in: a rank only sends while it iterates the sync's
