@@ -350,7 +350,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
                                "runs another version of fsdp-vllm-sync: install the same one on both)")
         route = RoutePlan.from_json(info.route)
         worker = self._worker_rank()
-        _, sizes = self.cuts(info)
+        sizes = route.sizes(worker, info.shapes, info.dtypes())
         return routed_chunks(self.route_group, sizes, route.buffer_bytes, route.sources[worker], route.tag, where)
 
     def cuts(self, info: GlooUpdateInfo) -> tuple[list[list[int] | None], list[int]]:

@@ -133,9 +133,12 @@ class RoutePlan:
 
     def sizes(self, worker: int, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> list[int]:
         """Bytes of each tensor's cut that `worker` receives, in stream order."""
-        return [
-            math.prod(cut_shape(s, c)) * d.itemsize for s, d, c in zip(shapes, dtypes, self.cuts_of(worker), strict=True)
-        ]
+        return _cut_sizes(self.cuts_of(worker), shapes, dtypes)
+
+
+def _cut_sizes(cuts: Sequence[Cut], shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> list[int]:
+    """Bytes of each tensor's cut, in stream order."""
+    return [math.prod(cut_shape(s, c)) * d.itemsize for s, d, c in zip(shapes, dtypes, cuts, strict=True)]
 
 
 def plan_route(
@@ -159,8 +162,7 @@ def plan_route(
     if senders < 1 or replica < 1 or workers % replica:
         raise ValueError(f"a route needs senders >= 1 and whole replicas: {senders} senders, {workers} workers, "
                          f"{replica} places")
-    plan = RoutePlan(senders, replica, workers, buffer_bytes, cuts, [[] for _ in range(workers)], tag)
-    largest = max(sum(plan.sizes(w, shapes, dtypes)) for w in range(replica))
+    largest = max(sum(_cut_sizes(place, shapes, dtypes)) for place in cuts)
     chunk = min(buffer_bytes, max(_MIN_CHUNK, -(-largest // (_CHUNKS_PER_SENDER * senders))))
     plan = RoutePlan(senders, replica, workers, chunk, cuts, [[] for _ in range(workers)], tag)
     # (the tensor that completes it, worker, bytes) for every chunk, in stream order.
