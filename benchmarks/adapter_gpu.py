@@ -71,6 +71,7 @@ class LoRABuffersWriter(FusedBuffersWriter):
         self._loaded: tuple[int, str] | None = None
         self._targeted: frozenset[str] = frozenset()
         self._rank = 0
+        self._slots: dict[tuple[tuple[str, ...], int], tuple[list, list[int], list, list[int], frozenset[str]]] = {}
 
     def lora_limits(self):  # type: ignore[no-untyped-def]
         from fsdp_sync.compat.lora_api import LoRALimits
@@ -84,19 +85,17 @@ class LoRABuffersWriter(FusedBuffersWriter):
         return self.checkpoint
 
     def load_adapter(self, adapter: Any) -> None:
-        """Copy the adapter's tensors into their slots (the scaling folded into `lora_b`)."""
+        """Copy the adapter's tensors into their slots (the scaling folded into `lora_b`).
+
+        NOTE: the slots each adapter name goes to are worked out once per layout (names and rank), as vLLM's manager
+        allocates its slots once: a sync then costs the three batched calls."""
         r = int(adapter.config["r"])
         scaling = float(adapter.config["lora_alpha"]) / r
-        a_slots, a_values, b_slots, b_values = [], [], [], []
-        for name, tensor in adapter.tensors.items():
-            module, which = _module_of(name)
-            if which == "lora_A":
-                a_slots.append(self.lora_a[module][:r])
-                a_values.append(tensor)
-            else:
-                b_slots.append(self.lora_b[module][:, :r])
-                b_values.append(tensor)
-        targeted = frozenset(_module_of(n)[0] for n in adapter.tensors)
+        names = tuple(adapter.tensors)
+        slots = self._slots.get((names, r))
+        if slots is None:
+            slots = self._slots[(names, r)] = self._slots_of(names, r)
+        a_slots, a_at, b_slots, b_at, targeted = slots
         if targeted != self._targeted:
             # NOTE: the slots of modules this adapter does not target read zero (vLLM resets them); they stay zero
             # while the targets do not change, so they are cleared only when they do.
@@ -104,11 +103,25 @@ class LoRABuffersWriter(FusedBuffersWriter):
             if others:
                 torch._foreach_zero_(others)
             self._targeted = targeted
-        torch._foreach_copy_(a_slots, a_values)
-        torch._foreach_copy_(b_slots, b_values)
+        values = list(adapter.tensors.values())
+        torch._foreach_copy_(a_slots, [values[i] for i in a_at])
+        torch._foreach_copy_(b_slots, [values[i] for i in b_at])
         torch._foreach_mul_(b_slots, scaling)
         self._loaded = (adapter.adapter_id, adapter.name)
         self._rank = r
+
+    def _slots_of(self, names: tuple[str, ...], r: int) -> tuple[list, list[int], list, list[int], frozenset[str]]:
+        """(`lora_a` slots, the positions of their tensors in `names`, `lora_b` slots, theirs, the targeted modules)."""
+        a_slots, a_at, b_slots, b_at = [], [], [], []
+        for i, name in enumerate(names):
+            module, which = _module_of(name)
+            if which == "lora_A":
+                a_slots.append(self.lora_a[module][:r])
+                a_at.append(i)
+            else:
+                b_slots.append(self.lora_b[module][:, :r])
+                b_at.append(i)
+        return a_slots, a_at, b_slots, b_at, frozenset(_module_of(n)[0] for n in names)
 
     def publish_adapter(self, adapter: Any) -> None:
         """Nothing to move: the slots hold one adapter, which the benchmark reads (no requests name it)."""

@@ -15,6 +15,8 @@
         and sparse extraction alone, against their floors; on CPU ranks only under TRITON_INTERPRET=1, tiny shapes)
     python -m benchmarks.run gpu-suite   (what a GPU session runs: gpu --check, delta --engine buffers, kernels,
         adapter --engine buffers)
+    python -m benchmarks.run profile [--reps 5]   (GPU: the device's busy time against the wall time of the FSDP2
+        1.5B complete sync and of sparse extraction at 7B, from torch's profiler)
     python -m benchmarks.run async [--models qwen2-36m] [--steps 4] [--rounds 2]   (TRL's AsyncGRPOTrainer on a vLLM CPU
         server: each sync and the server's pause, the mixin against TRL's own sync)
     python -m benchmarks.run report [--results benchmarks/results]
@@ -336,6 +338,18 @@ def _kernels(args: argparse.Namespace) -> None:
     _save(args.results, kind, machine, rows, kernels_table)
 
 
+def _profile(args: argparse.Namespace) -> None:
+    """Device busy time against wall time for the two GPU near misses (`benchmarks.gpu_profile`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.run profile traces CUDA kernels: it needs a GPU")
+    from .gpu_profile import profile_rows, profile_table
+
+    machine = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    _save(args.results, "profile-gpu", machine, profile_rows(args.reps), profile_table)
+
+
 def _gpu_suite(args: argparse.Namespace) -> None:
     """The GPU figures (issues 29, 35 and 41) in one command: each part as its own subcommand would run it."""
     parts = [
@@ -384,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels.add_argument("--sources", default="bfloat16,float32")
     kernels.add_argument("--sweep", action="store_true", help="also time sparse extraction at each launch shape")
     suite = sub.add_parser("gpu-suite")
+    profiled = sub.add_parser("profile", help="device busy time against wall time of the GPU near misses")
     asynchronous = sub.add_parser("async")
     asynchronous.add_argument("--models", default="qwen2-36m")
     asynchronous.add_argument("--steps", type=int, default=4)
@@ -392,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report")
     rep.add_argument("--kind", default="cpu")
     sparse_sync.add_argument("--results", type=Path, default=RESULTS)
-    for p in (cpu, server, safety, adapter, delta, sparse, gpu, kernels, suite, rep):
+    for p in (cpu, server, safety, adapter, delta, sparse, gpu, kernels, suite, profiled, rep):
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -417,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
             _kernels(args)
         case "gpu-suite":
             _gpu_suite(args)
+        case "profile":
+            _profile(args)
         case "async":
             _async(args)
         case "report":

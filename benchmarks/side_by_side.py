@@ -47,13 +47,44 @@ def _side(into: Path, library: Path | None) -> None:
     (into / "fsdp_sync").symlink_to(library if library is not None else ROOT / "fsdp_sync")
 
 
-def _seconds(directory: Path) -> dict[tuple[str, str, str], list[float]]:
+def _seconds(directory: Path) -> tuple[dict[tuple[str, str, str], list[float]], dict[tuple[str, str, str], int]]:
+    """Rank 0's seconds of every (model, backend, method) over every round, and the tensors each sync sent."""
     seconds: dict[tuple[str, str, str], list[float]] = {}
+    tensors: dict[tuple[str, str, str], int] = {}
     for path in directory.glob("*/*.json"):
         for row in json.loads(path.read_text())["rows"]:
             if row.get("rank", 0) == 0 and isinstance(row.get("seconds"), int | float):
-                seconds.setdefault((row["model"], row["backend"], row["method"]), []).append(row["seconds"])
-    return seconds
+                key = (row["model"], row["backend"], row["method"])
+                seconds.setdefault(key, []).append(row["seconds"])
+                if isinstance(row.get("tensors"), int):
+                    tensors[key] = row["tensors"]
+    return seconds, tensors
+
+
+def _per_tensor(rows: list[dict[str, Any]], tensors: dict[tuple[str, str, str], int]) -> list[str]:
+    """Where a run has an adapter sync of two sizes (`qv/adapter`, `all/adapter`): each side's time per tensor, the
+    slope between them ((all - qv) / (their tensors' difference)), so that the fixed cost a sync is left out."""
+    by_key = {(r["model"], r["backend"], r["method"]): r for r in rows}
+    lines = []
+    for model, backend in sorted({(r["model"], r["backend"]) for r in rows}):
+        small, large = (model, backend, "qv/adapter"), (model, backend, "all/adapter")
+        if small not in by_key or large not in by_key or tensors.get(large, 0) <= tensors.get(small, 0):
+            continue
+        more = tensors[large] - tensors[small]
+        ref, tree = ((by_key[large][f"{side}_ms"] - by_key[small][f"{side}_ms"]) / more for side in ("ref", "tree"))
+        lines.append(f"| {model} | {backend} | {tensors[small]} / {tensors[large]} | {ref:.4f} | {tree:.4f} | "
+                     f"{ref / tree:.2f} |")  # fmt: skip
+    if not lines:
+        return []
+    return [
+        "",
+        "Per tensor: the slope between the q/v adapter sync and the all-linear one, (all - qv) / (their tensors' "
+        "difference), so that each sync's fixed cost is left out:",
+        "",
+        "| model | backend | tensors q/v / all | ref ms per tensor | tree ms per tensor | ref / tree |",
+        "|---|---|---|---:|---:|---:|",
+        *lines,
+    ]
 
 
 def _torch_version() -> str:
@@ -88,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
                     return 1
                 print(f"round {round_}: {name} done", flush=True)
-        ref, tree = (_seconds(work / "results" / name) for name in sides)
+        (ref, tensors), (tree, _) = (_seconds(work / "results" / name) for name in sides)
     rows: list[dict[str, Any]] = []
     for key in sorted(set(ref) & set(tree)):
         a, b = statistics.median(ref[key]), statistics.median(tree[key])
@@ -106,11 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---:|---:|---:|",
         *(f"| {r['model']} | {r['backend']} | {r['method']} | {r['ref_ms']:.2f} | {r['tree_ms']:.2f} | "
           f"{r['ref_over_tree']:.2f} |" for r in rows),  # fmt: skip
+        *_per_tensor(rows, tensors),
     ]
     args.results.mkdir(parents=True, exist_ok=True)
     kind = f"side-by-side-{bench[0] if bench else 'run'}"
     (args.results / f"{kind}.json").write_text(json.dumps(
-        {"ref": args.ref, "argv": bench, "machine": machine, "measured": measured, "rows": rows}, indent=1
+        {"ref": args.ref, "argv": bench, "machine": machine, "measured": measured, "rows": rows,
+         "tensors": [[*key, n] for key, n in sorted(tensors.items())]}, indent=1
     ))
     (args.results / f"{kind}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -13,7 +13,7 @@ it wherever pieces must be disjoint (sparse syncs).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from fsdp_sync.compat.manifest import TensorSpec
 
 from ..distributed import Rounds, rank
 from ..memory import MemoryMeter
-from .base import Gatherer, Piece, replica_piece, spec_of
+from .base import Gatherer, HeldPieces, Piece, replica_piece, spec_of
 
 __all__ = ["WithBuffers", "persistent_buffers"]
 
@@ -91,3 +91,13 @@ class WithBuffers:
         for name in wanted:
             if name in own:
                 yield replica_piece(name, self._buffer(name), rank() == 0)
+
+    def held_pieces(self, names: Sequence[str]) -> HeldPieces:
+        own = set(self.names)
+        params = [i for i, name in enumerate(names) if name not in own]
+        inner = self.inner.held_pieces([names[i] for i in params])
+        places = [(params[k], start, count) for k, start, count in inner.places]
+        buffers = [name for name in names if name in own and self._buffer(name).numel()] if rank() == 0 else []
+        # NOTE: buffers are looked up at each read, as everywhere here (a module may replace a buffer object).
+        places += [(names.index(name), 0, self._buffer(name).numel()) for name in buffers]
+        return HeldPieces(tuple(places), lambda: [*inner.read(), *(self._buffer(name) for name in buffers)])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from functools import reduce
 from typing import Any
 
@@ -31,7 +31,7 @@ from fsdp_sync.compat.manifest import TensorSpec
 from ..distributed import Rounds, rank
 from ..faults import fault_point
 from ..memory import MemoryMeter
-from .base import Piece, group_units, replica_piece, sync_rounds, until_failed as _until_failed
+from .base import HeldPieces, Piece, group_units, replica_piece, sync_rounds, until_failed as _until_failed
 from .collectives import FlatBase, FlatOptions, InFlight, gather_dtype, launch_or_join, pipelined
 
 __all__ = ["FSDP1FlatGatherer", "FSDP1RootSummonGatherer", "FSDP1UnitGatherer", "fsdp1_units"]
@@ -172,6 +172,51 @@ class _FSDP1Base:
         for name, p in self._ignored:
             if name in wanted:  # full on every rank: rank 0 reports it
                 yield replica_piece(name, p, rank() == 0)
+
+    def held_pieces(self, names: Sequence[str]) -> HeldPieces:
+        index = {name: i for i, name in enumerate(names)}
+        places: list[tuple[int, int, int]] = []
+        runs: list[list[Any]] = []  # [flat parameter, offset in its local shard, count]: consecutive pieces merged
+        owners: dict[int, bool] = {}
+        for unit, name, _, info in self._slices(frozenset(names)):
+            owner = owners.get(id(unit))
+            if owner is None:
+                owner = owners[id(unit)] = _owns_replica(unit)
+            if not (owner and info.in_shard and info.numel_in_shard):
+                continue
+            places.append((index[name], info.intra_param_start_idx, info.numel_in_shard))
+            flat = unit._flat_param
+            if runs and runs[-1][0] is flat and runs[-1][1] + runs[-1][2] == info.offset_in_shard:
+                runs[-1][2] += info.numel_in_shard
+            else:
+                runs.append([flat, info.offset_in_shard, info.numel_in_shard])
+        whole = [(index[name], p) for name, p in self._ignored if name in index and p.numel()] if rank() == 0 else []
+        places += [(i, 0, p.numel()) for i, p in whole]
+        return HeldPieces(tuple(places), _ShardRuns([tuple(run) for run in runs], [p for _, p in whole]))
+
+
+class _ShardRuns:
+    """`HeldPieces.read` of FSDP1 pieces: views of the units' local flat shards (one per run of consecutive pieces),
+    made once and again only after a unit's shard moved to other storage; then the ignored parameters, whole.
+
+    NOTE: FSDP1 keeps each unit's local shard in one storage for the module's lifetime (the optimizer updates it in
+    place; `flat_param.data` is set back to it after every unshard), so the views stay valid; the storage's
+    address is compared at each read (one per unit, not per piece), so a shard that did move is never read stale.
+    """
+
+    def __init__(self, runs: list[tuple[Any, int, int]], whole: list[torch.Tensor]) -> None:
+        self._runs = runs
+        self._flats = list({id(flat): flat for flat, _, _ in runs}.values())
+        self._whole = whole
+        self._at: list[int] | None = None
+        self._views: list[torch.Tensor] = []
+
+    def __call__(self) -> list[torch.Tensor]:
+        at = [flat.data_ptr() for flat in self._flats]
+        if at != self._at:
+            self._views = [flat.detach()[offset : offset + count] for flat, offset, count in self._runs]
+            self._at = at
+        return [*self._views, *self._whole]
 
 
 def _owns_replica(unit: FSDP) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,13 +31,14 @@ from fsdp_sync.compat.torch_api import fsdp2_param_groups
 from ..distributed import Rounds, rank
 from ..faults import fault_point
 from ..memory import MemoryMeter
-from .base import Piece, group_units, local_named_parameters, replica_piece, spec_of, sync_rounds
+from .base import HeldPieces, Piece, group_units, local_named_parameters, replica_piece, spec_of, sync_rounds
 from .collectives import FlatBase, FlatOptions, InFlight, gather_dtype, launch_or_join, pipelined
 
 __all__ = [
     "FSDP2FlatGatherer",
     "FSDP2ParamGatherer",
     "FSDP2UnitGatherer",
+    "fsdp2_held_pieces",
     "fsdp2_local_pieces",
     "fsdp2_local_shards",
     "fsdp2_sharded_parameters",
@@ -162,6 +163,31 @@ def fsdp2_local_pieces(
         yield Piece(name, flat, start)
 
 
+def fsdp2_held_pieces(model: nn.Module, names: Sequence[str]) -> HeldPieces:
+    """This rank's pieces of `names` laid out once (see `Gatherer.held_pieces`; the pieces `fsdp2_local_pieces`
+    gives): each sync reads the sharded parameters' local tensors, nothing else.
+
+    NOTE: FSDP2's sharded DTensors (`fsdp2_sharded_parameters`, whatever state each unit is in) are kept; a unit
+    may give one a new local tensor (`reset_sharded_param`), so each one's local shard is read at every sync
+    (`_shard`), never kept.
+
+    Raises:
+        NotImplementedError: as `fsdp2_local_pieces`, naming each parameter sharded other than on dim 0.
+    """
+    params = fsdp2_sharded_parameters(model)
+    places: list[tuple[int, int, int]] = []
+    held: list[torch.Tensor] = []
+    for i, piece in enumerate(fsdp2_local_pieces(model, names, params)):
+        if piece.values.numel():
+            places.append((i, piece.start, piece.values.numel()))
+            held.append(params[names[i]])
+
+    def read() -> list[torch.Tensor]:
+        return [_shard(p) for p in held]
+
+    return HeldPieces(tuple(places), read)
+
+
 @functools.lru_cache(maxsize=4096)
 def _shard_place(
     shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
@@ -184,9 +210,20 @@ def _shard_place(
     return tuple(local_shape), offset[0] * math.prod(shape[1:]), owner
 
 
+def _shard(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's local shard as it is (a plain tensor: itself), out of autograd.
+
+    NOTE: DTensor's `_local_tensor`, what `to_local()` returns under no_grad, read as the attribute DTensor flattens
+    itself to (torch 2.4-2.13). `to_local()` costs microseconds a call (a grad-mode check and, since torch 2.13, a
+    `view_as` that keeps parameter-ness): as much as the rest of an adapter sync's per-tensor work, and paid per
+    parameter and sync by the flat gatherer. FSDP2's local shards never require grad (the DTensor parameter does).
+    """
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
 def _local_tensor(param: torch.Tensor) -> torch.Tensor:
     """A parameter's local shard (a plain tensor as it is), detached."""
-    return (param.to_local() if isinstance(param, DTensor) else param).detach()
+    return _shard(param).detach()
 
 
 class FSDP2ParamGatherer:
@@ -228,6 +265,9 @@ class FSDP2ParamGatherer:
 
     def local_pieces(self, names: Iterable[str]) -> Iterator[Piece]:
         return fsdp2_local_pieces(self.model, names)
+
+    def held_pieces(self, names: Sequence[str]) -> HeldPieces:
+        return fsdp2_held_pieces(self.model, names)
 
     def trainable(self) -> frozenset[str]:
         return fsdp2_trainable(self.model, self.specs())
@@ -290,6 +330,9 @@ class FSDP2UnitGatherer:
 
     def local_pieces(self, names: Iterable[str]) -> Iterator[Piece]:
         return fsdp2_local_pieces(self.model, names)
+
+    def held_pieces(self, names: Sequence[str]) -> HeldPieces:
+        return fsdp2_held_pieces(self.model, names)
 
     def trainable(self) -> frozenset[str]:
         return fsdp2_trainable(self.model, self._specs)
@@ -425,6 +468,9 @@ class FSDP2FlatGatherer(FlatBase):
     def local_pieces(self, names: Iterable[str]) -> Iterator[Piece]:
         return fsdp2_local_pieces(self.model, names, self._params)
 
+    def held_pieces(self, names: Sequence[str]) -> HeldPieces:
+        return fsdp2_held_pieces(self.model, names)
+
     def _cast(self, local: torch.Tensor, slot: _Slot) -> torch.Tensor:
         """A local shard on the compute device, in the wire dtype (under `_prepare`'s no_grad)."""
         if self._move_to is not None:
@@ -435,7 +481,7 @@ class FSDP2FlatGatherer(FlatBase):
         """This rank's shard of one parameter as a 1-D tensor of `slot.rows` rows in its wire dtype (padded if
         short)."""
         # Detached: a tensor that required grad would make the collective's in-place writes illegal.
-        local = self._params[slot.name].to_local().detach()
+        local = _unlinked(_shard(self._params[slot.name]))
         if local.shape[0] == slot.rows:
             return self._cast(local, slot).contiguous().view(-1)
         if self.options.compute_device is not None:
@@ -455,12 +501,11 @@ class FSDP2FlatGatherer(FlatBase):
         fault_point("gather.prepare", unit=self._order[k], units=len(self._order))
         visit = self._visits[k]
         world = visit.world
-        # NOTE: one no_grad block for the unit, not one per parameter (a decorator costs microseconds a call, and
-        # under no_grad `to_local()` returns the local tensor itself).
+        # NOTE: one no_grad block for the unit, not one per parameter (a decorator costs microseconds a call).
         with torch.no_grad():
             if world == 1:  # the local shards are the full parameters, in their own shape: nothing to gather
                 params = self._params
-                return [(slot, self._cast(_unlinked(params[slot.name].to_local()), slot), None)
+                return [(slot, self._cast(_unlinked(_shard(params[slot.name])), slot), None)
                         for slot in self._slots(k)]  # fmt: skip
             prepared: list[tuple[_Slot, torch.Tensor, torch.Tensor | None]] = []
             for slot in self._slots(k):

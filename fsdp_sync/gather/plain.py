@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -13,7 +13,7 @@ from ..distributed import Rounds
 from ..faults import fault_point
 from ..distributed import rank
 from ..memory import MemoryMeter
-from .base import Piece, replica_piece, spec_of
+from .base import HeldPieces, Piece, replica_held, replica_piece, spec_of
 
 __all__ = ["PlainGatherer"]
 
@@ -56,3 +56,8 @@ class PlainGatherer:
         params = dict(self.model.named_parameters())
         for name in names:
             yield replica_piece(name, params[name], rank() == 0)
+
+    def held_pieces(self, names: Sequence[str]) -> HeldPieces:
+        # NOTE: the parameter objects are kept, as the optimizer keeps them; their data is read at each sync.
+        params = dict(self.model.named_parameters())
+        return replica_held([params[name] for name in names], rank() == 0)

@@ -15,10 +15,11 @@ Steps:
 2. the base, once: every rank compares its own shards of the frozen base with the same elements of the engine's
    checkpoint (`torch.equal`; only the rows holding them are read; no gather); a different base is an error before
    anything is written.
-3. every sync: this rank's pieces of the adapter (`Gatherer.local_pieces`), exchanged (`pieces.PieceExchange`), built into
-   an adapter that every rank agrees on, then loaded into the engine beside the version it serves
+3. every sync: this rank's pieces of the adapter (`Gatherer.held_pieces`, laid out with the plan) packed in one copy,
+   exchanged (`pieces.PieceExchange`), built into an adapter that every rank agrees on (the full tensors are views
+   of one buffer per dtype, named once per plan), then loaded into the engine beside the version it serves
    (`AdapterWriter.load_adapter`), verified, and published at the commit point (`publish_adapter`): only then do
-   requests name it, and the previous version may be unloaded.
+   requests name it, and the previous version may be unloaded. Nothing per tensor is worked out again per sync.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from ..gather.base import Gatherer, Piece
 from ..report import AdapterFigures, SyncReport
 from ..writers.base import AdapterWriter, EngineWriter
 from .frame import Pushed, SyncFrame, Verified
-from .pieces import PieceExchange
+from .pieces import Packed, PieceExchange
 from .pieces import few as _few
 from .verify import verify_adapter
 
@@ -74,6 +75,7 @@ class AdapterPlan:
         base: trainer name -> checkpoint name of every other parameter (the frozen base).
         config: PEFT's adapter config as a dict.
         adapter_name: the adapter's name in the PEFT model.
+        nbytes: the adapter's full tensors' bytes (what a sync sends).
     """
 
     names: tuple[str, ...]
@@ -81,6 +83,7 @@ class AdapterPlan:
     base: dict[str, str]
     config: dict[str, Any]
     adapter_name: str
+    nbytes: int
 
 
 def adapter_plan(model: torch.nn.Module, gatherer: Gatherer, rules: NameRules) -> AdapterPlan:
@@ -119,7 +122,8 @@ def adapter_plan(model: torch.nn.Module, gatherer: Gatherer, rules: NameRules) -
         reasons.append("the model has no lora_A/lora_B weights")
     if reasons:
         raise ValueError("; ".join(reasons))
-    return AdapterPlan(tuple(checkpoint), checkpoint, base, config, adapter_name)
+    nbytes = sum(math.prod(specs[n].shape) * specs[n].dtype.itemsize for n in checkpoint)
+    return AdapterPlan(tuple(checkpoint), checkpoint, base, config, adapter_name, nbytes)
 
 
 def adapter_refusal(
@@ -207,19 +211,20 @@ def _stored_elements(handle: Any, name: str, start: int, count: int) -> torch.Te
     return rows[offset : offset + count]
 
 
-def _check_finite(pieces: Iterable[Piece]) -> None:
-    """`SyncConfig(check_finite=True)`: this rank's pieces of the adapter hold no NaN or Inf (local work, before
-    they are exchanged).
+def _check_finite(exchange: PieceExchange, packed: Packed) -> None:
+    """`SyncConfig(check_finite=True)`: this rank's packed pieces of the adapter hold no NaN or Inf (local work,
+    before they are exchanged; one pass per dtype, names looked up only when one is found).
 
     Raises:
         NonFiniteWeightsError: naming every adapter weight that holds one; nothing was sent.
     """
-    bad = sorted({p.name for p in pieces if p.values.numel() and not bool(torch.isfinite(p.values).all())})
-    if bad:
-        raise NonFiniteWeightsError(
-            f"NaN or Inf in {len(bad)} adapter weight(s) on this rank: {_few(bad, 8)}; nothing was sent (the engine "
-            "keeps the previous adapter). Training has diverged: look at the loss and the learning rate."
-        )
+    if all(bool(torch.isfinite(values).all()) for values in packed.values() if values.is_floating_point()):
+        return
+    bad = sorted({name for name, values in exchange.named_values(packed) if not bool(torch.isfinite(values).all())})
+    raise NonFiniteWeightsError(
+        f"NaN or Inf in {len(bad)} adapter weight(s) on this rank: {_few(bad, 8)}; nothing was sent (the engine "
+        "keeps the previous adapter). Training has diverged: look at the loss and the learning rate."
+    )
 
 
 def _checkpoint_files(checkpoint_dir: str) -> dict[str, Path]:
@@ -272,9 +277,12 @@ class AdapterSync(SyncFrame):
         # The adapter version published last (what requests name); moves only at the commit point.
         self.version = 0
         self._plan: AdapterPlan | None = None
+        # Made with the first sync's pieces (inside its agreement: a rank that cannot lay its pieces out raises
+        # there, on every rank), with the checkpoint names of its full tensors, in its order.
         self._exchange: PieceExchange | None = None
-        # This sync's pieces, listed once (by the finite check, or by the exchange).
-        self._listed: list[Piece] | None = None
+        self._keys: tuple[str, ...] = ()
+        # This sync's pieces, packed once (by the finite check, or by the push).
+        self._packed: Packed | None = None
         self._base_seconds = 0.0
         self._first = True
 
@@ -341,50 +349,49 @@ class AdapterSync(SyncFrame):
                 )
         return plan
 
-    def _adapter(self, plan: AdapterPlan, full: dict[str, torch.Tensor], version: int) -> Adapter | None:
+    def _adapter(self, plan: AdapterPlan, full: list[torch.Tensor], version: int) -> Adapter | None:
         """Version `version` of the adapter from the exchanged tensors (None on a rank that loads no engine)."""
         if not self.writer.pushes:
             return None
-        specs = self.gatherer.specs()
-        tensors = {plan.checkpoint[n]: full[n].view(specs[n].shape) for n in plan.names}
-        return Adapter(version, f"{self.name_prefix}-v{version}", tensors, plan.config)
+        return Adapter(version, f"{self.name_prefix}-v{version}", dict(zip(self._keys, full, strict=True)), plan.config)
 
     # --- the steps of `frame.SyncFrame.sync` ---
 
     def _checked_plan(self) -> AdapterPlan:
         self._first = self._plan is None
-        self._listed = None
-        plan = self.plan()
+        self._packed = None
+        return self.plan()
+
+    def _pack(self, plan: AdapterPlan) -> tuple[PieceExchange, Packed]:
+        """The exchange, and this rank's pieces of the adapter packed for it, once per sync (local work, no
+        collective); the exchange is laid out at the first sync."""
         if self._exchange is None:
             specs = self.gatherer.specs()
-            self._exchange = PieceExchange(
-                plan.names, [math.prod(specs[n].shape) for n in plan.names], [specs[n].dtype for n in plan.names]
-            )
-        return plan
-
-    def _pieces(self, plan: AdapterPlan) -> list[Piece]:
-        """This rank's pieces of the adapter, listed once per sync (local work, no collective)."""
-        if self._listed is None:
-            self._listed = list(self.gatherer.local_pieces(plan.names))
-        return self._listed
+            exchange = PieceExchange(
+                plan.names, [specs[n].shape for n in plan.names], [specs[n].dtype for n in plan.names],
+                self.gatherer.held_pieces,
+            )  # fmt: skip
+            self._exchange, self._keys = exchange, tuple(plan.checkpoint[n] for n in exchange.order)
+        if self._packed is None:
+            self._packed = self._exchange.pack()
+        return self._exchange, self._packed
 
     def _check_finite(self, plan: AdapterPlan) -> None:
-        agreed(self.coordinator, "check", lambda: _check_finite(self._pieces(plan)), self._failed_stage)
+        agreed(self.coordinator, "check", lambda: _check_finite(*self._pack(plan)), self._failed_stage)
 
     def _push(self, plan: AdapterPlan) -> Pushed:
         start = time.perf_counter()
-        exchange = self._exchange
-        assert exchange is not None  # made with the plan
         version = self.version + 1
         try:
             # NOTE: on the sync's own group, not the training group: a rank that raises inside the exchange (in
             # listing its pieces, or in building the full tensors after it) aborts that group, so every rank raises
             # at once naming it, where the training group would have kept the others inside its all-gather until
             # that group's own timeout.
-            full = self.coordinator.run(
-                "adapter.pieces",
-                lambda group: exchange(self._pieces(plan), receive=self.writer.pushes, group=group),
-            )
+            def exchanged(group: Any) -> list[torch.Tensor]:
+                exchange, packed = self._pack(plan)
+                return exchange(packed, receive=self.writer.pushes, group=group)
+
+            full = self.coordinator.run("adapter.pieces", exchanged)
             # NOTE: every rank agrees before any engine loads: a rank that raised just after the exchange's last
             # all-gather returned (the others had left it) would otherwise leave their engines on the new version.
             adapter = agreed(
@@ -394,7 +401,7 @@ class AdapterSync(SyncFrame):
             e.engine = e.engine or self._unchanged()
             raise
         finally:
-            self._listed = None
+            self._packed = None
         error: Exception | None = None
         if adapter is not None:
             try:
@@ -438,14 +445,11 @@ class AdapterSync(SyncFrame):
 
     def _report(self, pushed: Pushed, verified: Verified | None) -> SyncReport:
         plan = self.plan()
-        specs = self.gatherer.specs()
-        adapter: Adapter | None = pushed.detail
-        sent = sum(t.numel() * t.element_size() for t in adapter.tensors.values()) if adapter is not None else 0
         return SyncReport(
             seconds=pushed.seconds,
-            bytes=sent,
+            bytes=plan.nbytes if pushed.detail is not None else 0,
             tensors=len(plan.names),
-            peak_extra_bytes=sum(math.prod(specs[n].shape) * specs[n].dtype.itemsize for n in plan.names),
+            peak_extra_bytes=plan.nbytes,
             memory_source="accounted",
             backend=self.backend,
             strategy=self.strategy,

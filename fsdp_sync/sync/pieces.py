@@ -1,15 +1,21 @@
 """Full tensors from every rank's disjoint pieces: an adapter sync's exchange (`adapter.pieces`), with what it needs
-per tensor worked out once per layout and reused by every later sync.
+per tensor worked out once per plan and reused by every later sync.
 
-Why a kept route: a piece's place in the full tensors is fixed by the FSDP sharding, so placing each piece with its
-own copy, in a Python loop, repeated work that does not change between syncs; with many small tensors (an adapter on
-every linear layer: 392 tensors of a few KB) that loop and the per-piece tensor bookkeeping were most of the
-exchange's time. Every sync still exchanges the layout (two small all-gathers: a layout that changed is seen on
-every rank alike, and the collectives the failure model counts stay the same); the route is rebuilt only when it
-changed. A sync then costs one concatenation of this rank's pieces, the values' all-gather, and one concatenation
-that puts the gathered runs in their order (runs that follow each other in both places merged: at world size 1,
-or wherever the pieces already lie in order, the gathered buffer is the result and nothing is copied), split into
-the full tensors.
+Why worked out once: the pieces a rank holds, their places in the full tensors and the full tensors' shapes are
+fixed by the FSDP sharding; placing each piece with its own copy, in a Python loop, repeated work that does not
+change between syncs. With many small tensors (an adapter on every linear layer: 392 tensors of a few KB) that
+per-tensor work was the sync: an adapter's payload moves in microseconds. So a sync costs:
+- this rank's pieces read (`HeldPieces.read`, from the gatherer: views of the shards, made once) and packed in one
+  copy (`torch._utils._flatten_dense_tensors`, one concatenation);
+- the exchange: the layout (two small all-gathers: a layout that changed is seen on every rank alike, and the
+  collectives the failure model counts stay the same) and the values (one all-gather);
+- one concatenation that puts the gathered runs in their order (runs that follow each other in both places merged:
+  at world size 1, or wherever the pieces already lie in order, the gathered buffer is the result and nothing is
+  copied), and the full tensors as views of it in one call (`_unflatten_dense_tensors`).
+
+NOTE: `torch._utils._flatten_dense_tensors` / `_unflatten_dense_tensors` (torch's C++ flatten and unflatten, used by
+DDP's and Apex's bucketing since torch 1.0, still in 2.13) do in one call what a Python loop did per tensor (a
+reshape and a `view` each: measured, most of a 392-tensor adapter sync's time on one CPU rank).
 
 NOTE: the route is kept per run (a piece, or merged pieces), not per element: an element index would cost 8 bytes
 an element (four times a bf16 adapter) and its own pass over them; measured on one H100, a route of element indices
@@ -18,16 +24,21 @@ made a 7B all-linear adapter sync (80.74 MB) slower than the per-piece copies it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..distributed import collective
-from ..gather.base import Piece
+from ..gather.base import HeldPieces
 
-__all__ = ["PieceExchange"]
+__all__ = ["Packed", "PieceExchange"]
+
+# This rank's values of one sync, packed: one flat tensor per dtype.
+Packed = dict[torch.dtype, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -40,75 +51,120 @@ class _Route:
     lengths: tuple[int, ...]  # every rank's number of values
     segments: tuple[int, ...]
     order: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The tensors of one dtype: their names and full shapes (meta tensors, for `_unflatten_dense_tensors`), their
+    numels, this rank's held pieces of them, and those pieces' places as the exchange sends them."""
+
     names: tuple[str, ...]
+    shapes: tuple[torch.Tensor, ...]
     numels: tuple[int, ...]
+    held: HeldPieces
+    places: torch.Tensor
 
 
 class PieceExchange:
-    """Exchanges every rank's pieces of `names` into full (flat) tensors; one per plan, called once per sync.
+    """Exchanges every rank's pieces of `names` into full tensors; one per plan, called once per sync.
 
-    Every rank must call it with the same `names`, `numels` and `dtypes` (metadata every rank has), inside
-    `Coordinator.run` on the sync's own group (`adapter.pieces`): three all-gathers per dtype (sizes, the pieces'
-    places, their values), whatever the number of tensors.
+    Every rank must make it with the same `names`, `shapes` and `dtypes` (metadata every rank has), and call it
+    inside `Coordinator.run` on the sync's own group (`adapter.pieces`): three all-gathers per dtype (sizes, the
+    pieces' places, their values), whatever the number of tensors.
+
+    Args:
+        names, shapes, dtypes: the full tensors.
+        held: this rank's pieces of a list of names (`Gatherer.held_pieces`), asked once per dtype.
+
+    Attributes:
+        order: the names in the order `__call__` returns their full tensors (by dtype, then as given).
     """
 
-    def __init__(self, names: Sequence[str], numels: Sequence[int], dtypes: Sequence[torch.dtype]) -> None:
-        self.names = tuple(names)
-        self.numels = tuple(numels)
-        self.dtypes = tuple(dtypes)
-        self._index = {name: i for i, name in enumerate(self.names)}
+    def __init__(
+        self,
+        names: Sequence[str],
+        shapes: Sequence[tuple[int, ...]],
+        dtypes: Sequence[torch.dtype],
+        held: Callable[[Sequence[str]], HeldPieces],
+    ) -> None:
+        self._groups: dict[torch.dtype, _Group] = {}
+        for dtype in sorted(set(dtypes), key=str):
+            members = [i for i, d in enumerate(dtypes) if d == dtype]
+            group_names = tuple(names[i] for i in members)
+            pieces = held(group_names)
+            self._groups[dtype] = _Group(
+                group_names,
+                tuple(torch.empty(shapes[i], dtype=dtype, device="meta") for i in members),
+                tuple(math.prod(shapes[i]) for i in members),
+                pieces,
+                torch.tensor(pieces.places, dtype=torch.int64).reshape(-1, 3),
+            )
+        self.order = tuple(name for group in self._groups.values() for name in group.names)
+        self._counts = {dtype: sum(count for _, _, count in g.held.places) for dtype, g in self._groups.items()}
+        self._sizes = {dtype: sum(g.numels) for dtype, g in self._groups.items()}
         self._routes: dict[torch.dtype, _Route] = {}
-        self._sent: dict[torch.dtype, tuple[tuple[tuple[int, int, int], ...], torch.Tensor]] = {}
 
-    def __call__(
-        self, pieces: Iterable[Piece], *, receive: bool, group: dist.ProcessGroup | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The full tensors of every name (flat, on the device of this rank's pieces), or {} where `receive` is off
-        (after this rank's part of the collectives).
+    def pack(self) -> Packed:
+        """This sync's values of this rank's pieces, one flat tensor per dtype (one copy; no collective).
+
+        Raises:
+            RuntimeError: a held tensor is no longer the size it was when planned (named).
+        """
+        packed: Packed = {}
+        with torch.no_grad():
+            for dtype, group in self._groups.items():
+                tensors = group.held.read()
+                if not tensors:
+                    packed[dtype] = torch.empty(0, dtype=dtype)
+                    continue
+                # NOTE: always a copy: one tensor is flattened as a view of itself, and the full tensors (views of
+                # these values at world size 1) are kept by the engine's writer past the next optimizer step.
+                values = _flatten_dense_tensors(tensors) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
+                if values.numel() != self._counts[dtype]:
+                    raise RuntimeError(f"this rank's pieces changed size since the plan: {few(_resized(group, tensors))}")
+                packed[dtype] = values if values.dtype == dtype else values.to(dtype)
+        return packed
+
+    def named_values(self, packed: Packed) -> list[tuple[str, torch.Tensor]]:
+        """`packed` cut back into (name, this rank's piece of it), for messages that name tensors (a slow path)."""
+        out = []
+        for dtype, group in self._groups.items():
+            at = 0
+            for i, _, count in group.held.places:
+                out.append((group.names[i], packed[dtype][at : at + count]))
+                at += count
+        return out
+
+    def __call__(self, packed: Packed, *, receive: bool, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+        """The full tensors, in `order` (views of one buffer per dtype, on the device of this rank's pieces), or []
+        where `receive` is off (after this rank's part of the collectives).
 
         Raises:
             RuntimeError: the ranks' pieces do not cover a tensor exactly once (a gatherer defect).
         """
-        mine: dict[torch.dtype, list[tuple[int, Piece]]] = {dtype: [] for dtype in set(self.dtypes)}
-        for p in pieces:
-            if p.values.numel():
-                i = self._index[p.name]
-                mine[self.dtypes[i]].append((i, p))
-        full: dict[str, torch.Tensor] = {}
-        for dtype in sorted(mine, key=str):
-            chosen = sorted(mine[dtype], key=lambda item: item[0])
-            device = chosen[0][1].values.device if chosen else torch.device("cpu")
-            places = self._places(dtype, tuple((i, p.start, p.values.numel()) for i, p in chosen))
-            values = (
-                torch.cat([p.values.reshape(-1) for _, p in chosen]).to(dtype) if chosen else torch.empty(0, dtype=dtype)
-            )
-            all_places, lengths, gathered = _exchange(places, values.to(device), group)
+        full: list[torch.Tensor] = []
+        for dtype, members in self._groups.items():
+            values = packed[dtype]
+            all_places, lengths, gathered = _exchange(members.places, values, group)
             if not receive:
                 continue
             route = self._routes.get(dtype)
             if route is None or route.lengths != lengths or not torch.equal(route.places, all_places):
-                route = self._routes[dtype] = self._route(dtype, all_places, lengths, gathered.numel())
+                route = self._routes[dtype] = self._route(members, all_places, lengths, gathered.numel())
             if route.order is None:
-                flat = gathered[: sum(route.numels)]
+                flat = gathered[: self._sizes[dtype]]
             else:
                 parts = gathered.split(route.segments)
                 flat = torch.cat([parts[k] for k in route.order])
-            full.update(zip(route.names, flat.to(device).split(route.numels), strict=True))
+            full += _unflatten_dense_tensors(flat.to(values.device), members.shapes)
         return full
 
-    def _places(self, dtype: torch.dtype, rows: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
-        """This rank's (index, start, count) rows as a tensor, kept while they do not change."""
-        kept = self._sent.get(dtype)
-        if kept is None or kept[0] != rows:
-            kept = self._sent[dtype] = (rows, torch.tensor(rows, dtype=torch.int64).reshape(-1, 3))
-        return kept[1]
-
-    def _route(self, dtype: torch.dtype, places: torch.Tensor, lengths: tuple[int, ...], size: int) -> _Route:
-        """The route for this layout (see `_Route`), checked to cover each tensor exactly once."""
-        members = [i for i, d in enumerate(self.dtypes) if d == dtype]
-        offsets, total = {}, 0
-        for i in members:
-            offsets[i], total = total, total + self.numels[i]
+    def _route(self, group: _Group, places: torch.Tensor, lengths: tuple[int, ...], size: int) -> _Route:
+        """The route for this layout (see `_Route`), checked to cover each of the group's tensors exactly once."""
+        offsets, total = [], 0
+        for numel in group.numels:
+            offsets.append(total)
+            total += numel
         world = places.shape[0]
         longest = size // world if world else 0
         # (where it goes in the flat buffer, where it is in the gathered buffer, how many) for every piece.
@@ -125,23 +181,21 @@ class PieceExchange:
         end = 0
         for to, at, n in runs:
             if to > end:  # a gap before this run: the tensor holding its first element
-                wrong.add(self._owner(members, offsets, end))
+                wrong.add(_owner(offsets, end))
             elif to < end:  # an overlap with the run before
-                wrong.add(self._owner(members, offsets, to))
+                wrong.add(_owner(offsets, to))
             if merged and to == end and merged[-1][1] + merged[-1][2] == at:
                 merged[-1][2] += n
             else:
                 merged.append([to, at, n])
             end = max(end, to + n)
         if end != total:
-            wrong.add(self._owner(members, offsets, min(end, total - 1)))
+            wrong.add(_owner(offsets, min(end, total - 1)))
         if wrong:
-            named = sorted(self.names[i] for i in wrong)
+            named = sorted(group.names[i] for i in wrong)
             raise RuntimeError(f"the ranks' pieces do not cover these adapter weights exactly once: {few(named)}")
-        names = tuple(self.names[i] for i in members)
-        numels = tuple(self.numels[i] for i in members)
         if len(merged) <= 1 and (not merged or merged[0][1] == 0):
-            return _Route(places.clone(), lengths, (), None, names, numels)
+            return _Route(places.clone(), lengths, (), None)
         by_place = sorted(range(len(merged)), key=lambda k: merged[k][1])
         segments: list[int] = []
         index_of: dict[int, int] = {}
@@ -156,15 +210,24 @@ class PieceExchange:
         if at < size:
             segments.append(size - at)
         order = tuple(index_of[k] for k in range(len(merged)))
-        return _Route(places.clone(), lengths, tuple(segments), order, names, numels)
+        return _Route(places.clone(), lengths, tuple(segments), order)
 
-    def _owner(self, members: list[int], offsets: dict[int, int], position: int) -> int:
-        """The tensor (of `members`) that holds `position` of the flat buffer."""
-        owner = members[0]
-        for i in members:
-            if offsets[i] <= position:
-                owner = i
-        return owner
+
+def _owner(offsets: list[int], position: int) -> int:
+    """The tensor (its index in the group) that holds `position` of the group's flat buffer."""
+    owner = 0
+    for i, offset in enumerate(offsets):
+        if offset <= position:
+            owner = i
+    return owner
+
+
+def _resized(group: _Group, tensors: Sequence[torch.Tensor]) -> list[str]:
+    """The names of held pieces whose tensors no longer have their planned size (where each tensor holds one piece;
+    otherwise every name of the group, as no finer answer exists)."""
+    if len(tensors) != len(group.held.places):
+        return list(group.names)
+    return [group.names[i] for (i, _, count), t in zip(group.held.places, tensors, strict=True) if t.numel() != count]
 
 
 def few(names: Sequence[str], limit: int = 4) -> str:

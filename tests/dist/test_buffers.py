@@ -16,6 +16,7 @@ from fsdp_sync.gather import WithBuffers, make_gatherer
 from tests.support.dist import run_distributed
 
 from .models import full_reference, tiny_lm, wrap
+from .pieces_check import held_mismatches
 
 BIAS = "model.layers.1.mlp.router_bias"  # persistent, as DeepSeek-V3's gate keeps its correction bias
 SCRATCH = "model.layers.1.mlp.scratch"  # non-persistent: not a checkpoint tensor
@@ -53,6 +54,8 @@ def scenario(rank: int, world_size: int, backend: str) -> dict:
     out["trainable_has_buffer"] = any(n.endswith("router_bias") for n in gatherer.trainable())
     (piece,) = gatherer.local_pieces(buffer_names)
     out["piece"] = (piece.start, piece.values.numel())
+    mixed = [n for n in gatherer.specs() if n.endswith("embed_tokens.weight")] + buffer_names
+    out["held"] = held_mismatches(gatherer, gatherer.held_pieces(mixed), mixed)
     out["shard_has_buffer"] = any(n.endswith("router_bias") for n, _ in gatherer.local_shards())
     return out
 
@@ -69,3 +72,4 @@ def test_persistent_buffers_are_sent_whole_and_non_persistent_ones_never(backend
         assert r["problems"] == []
         assert len(r["buffer_names"]) == 1 and not r["trainable_has_buffer"] and r["shard_has_buffer"]
         assert r["piece"] == ((0, 8) if rank == 0 else (0, 0)), "pieces of a buffer every rank holds are disjoint"
+        assert r["held"] == [], "held pieces of a parameter and a buffer must be the listed ones"

@@ -17,6 +17,7 @@ from fsdp_sync.sync.snapshot import Snapshot
 from tests.support.dist import run_distributed
 
 from .models import tiny_lm, train_step, wrap
+from .pieces_check import held_mismatches
 
 ENGINE = torch.bfloat16
 
@@ -40,6 +41,8 @@ def sparse_scenario(rank: int, world_size: int, backend: str, use_orig_params: b
     pieces = list(gatherer.local_pieces(names))
     held = torch.tensor([sum(p.values.numel() for p in pieces if p.name == n) for n in names])
     dist.all_reduce(held)
+    # The same pieces laid out once (adapter syncs), read at each step below.
+    laid_out = gatherer.held_pieces(names)
     snapshot = Snapshot(ENGINE)
     snapshot.take(gatherer.local_pieces(names))
     snapshot.commit()
@@ -62,7 +65,13 @@ def sparse_scenario(rank: int, world_size: int, backend: str, use_orig_params: b
             if n in joined:
                 t[joined[n].indices] = joined[n].values
             rebuilt[n] = t
+        if step == 2 and backend == "fsdp1":
+            # A unit's shard moved to other storage (FSDP1 keeps it in one; the held views must not read stale).
+            flat = wrapped.module.model.layers[0]._flat_param
+            flat.data = flat.data.clone()
+            flat.data.mul_(2)
         results.append({
+            "held": held_mismatches(gatherer, laid_out, names),
             "exact": [n for n in names if not torch.equal(_bits(rebuilt[n]), _bits(new[n]))],
             "counts": totals == [changed[n] for n in names],
             "changed": sum(changed.values()),
@@ -85,6 +94,7 @@ def test_joined_patches_rebuild_the_new_weights_bit_for_bit(backend: str, use_or
         assert r["cover"], "every element of every tensor must be in exactly one rank's piece"
         for step in r["steps"]:
             assert step["exact"] == [], f"weights not rebuilt exactly from the patches: {step['exact']}"
+            assert step["held"] == [], f"held pieces differ from the listed ones: {step['held']}"
             assert step["counts"], "the joined counts must equal the changed elements of the full tensors"
             assert 0 < step["changed"] < step["numel"], step  # a real step changes some, not all, bf16 values
             assert step["rank0_only"] and step["same_at_zero"], step

@@ -440,7 +440,7 @@ def test_the_base_check_reads_only_each_pieces_rows_compares_exactly_and_closes_
             return Rows()
 
     monkeypatch.setattr(safetensors, "safe_open", Recorded)
-    plan = AdapterPlan((), {}, {"w": "w.weight", "n": "n.weight"}, {}, "default")
+    plan = AdapterPlan((), {}, {"w": "w.weight", "n": "n.weight"}, {}, "default", 0)
     # Elements 13..21 of the flattened weight (rows 3 to 5), and the whole norm.
     pieces = [Piece("w", weight.reshape(-1)[13:22].clone(), 13), Piece("n", torch.ones(4), 0)]
     assert base_mismatches(plan, pieces, str(tmp_path)) == []
@@ -460,8 +460,9 @@ def test_every_option_applies_to_adapter_syncs_or_is_refused(caplog) -> None:
 
     from fsdp_sync.assemble import _adapter_sync
     from fsdp_sync.errors import NonFiniteWeightsError
-    from fsdp_sync.gather.base import Piece
+    from fsdp_sync.gather.base import HeldPieces
     from fsdp_sync.sync.adapter import AdapterSync, _check_finite
+    from fsdp_sync.sync.pieces import PieceExchange
 
     with pytest.raises(ValueError, match="adapter=True pushes the whole adapter"):
         SyncConfig(adapter=True, sparse=True)
@@ -471,6 +472,13 @@ def test_every_option_applies_to_adapter_syncs_or_is_refused(caplog) -> None:
         assert isinstance(_adapter_sync(_tiny_peft(), _AdapterEngine(LIMITS), SyncConfig(verify=True), cpu, None), AdapterSync)
         assert _adapter_sync(_tiny_peft(), _AdapterEngine(LIMITS), SyncConfig(sparse=True), cpu, None) is None
     assert "sparse=True" in caplog.text
-    _check_finite([Piece("a.lora_A", torch.ones(3), 0)])
-    with pytest.raises(NonFiniteWeightsError, match="a.lora_B"):
-        _check_finite([Piece("a.lora_A", torch.ones(3), 0), Piece("a.lora_B", torch.tensor([1.0, float("nan")]), 2)])
+    values = {"a.lora_A": torch.ones(3), "a.lora_B": torch.tensor([0.0, 0.0, 1.0, 2.0])}
+
+    def held(names):  # this rank holds a.lora_A whole and a.lora_B's last two elements
+        return HeldPieces(((0, 0, 3), (1, 2, 2)), lambda: [values["a.lora_A"], values["a.lora_B"][2:]])
+
+    exchange = PieceExchange(["a.lora_A", "a.lora_B"], [(3,), (4,)], [torch.float32] * 2, held)
+    _check_finite(exchange, exchange.pack())
+    values["a.lora_B"][3] = float("nan")
+    with pytest.raises(NonFiniteWeightsError, match=r"1 adapter weight\(s\) on this rank: a.lora_B;"):
+        _check_finite(exchange, exchange.pack())
