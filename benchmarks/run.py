@@ -344,10 +344,13 @@ def _profile(args: argparse.Namespace) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.run profile traces CUDA kernels: it needs a GPU")
-    from .gpu_profile import profile_rows, profile_table
+    from tests.support.dist import run_distributed
 
+    from .gpu_profile import profile_table, profile_worker
+
+    (rows,) = run_distributed(profile_worker, args.reps, world_size=1, backend="nccl")
     machine = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    _save(args.results, "profile-gpu", machine, profile_rows(args.reps), profile_table)
+    _save(args.results, "profile-gpu", machine, rows, profile_table)
 
 
 def _gpu_suite(args: argparse.Namespace) -> None:

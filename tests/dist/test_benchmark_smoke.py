@@ -68,3 +68,25 @@ def test_the_adapter_parts_check_names_a_lora_slot_that_differs() -> None:
     writer.lora_a["model.layers.0.self_attn.o_proj"][0, 0] = 1
     assert writer.adapter_mismatches(full, scaling=2.0) == ["model.layers.0.self_attn.o_proj",
                                                             "model.layers.0.self_attn.v_proj"]  # fmt: skip
+
+
+def test_the_profile_part_needs_a_gpu_and_counts_overlapping_device_intervals_once(tmp_path: Path) -> None:
+    """`benchmarks.run profile` traces CUDA kernels: without a GPU it stops with that reason and writes nothing; its
+    device busy time is the union of the kernels' intervals (overlaps counted once, gaps not at all)."""
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_profile import _busy_ms, profile_table
+
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "profile", "--reps", "1", "--results", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert result.returncode != 0 and "needs a GPU" in result.stderr, result.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+
+    def event(start_us: float, end_us: float) -> SimpleNamespace:
+        return SimpleNamespace(time_range=SimpleNamespace(start=start_us, end=end_us))
+
+    assert _busy_ms([event(2000, 2500), event(0, 1000), event(500, 1500), event(600, 700)]) == 2.0
+    row = {"what": "w", "tensors": 3, "wall_ms": 4.0, "busy_ms": 2.0, "floor_ms": 1.0, "kernels": [["k", 1.5], ["j", 0.5]]}
+    assert profile_table([row]).splitlines()[-1] == "| w | 3 | 4.00 | 2.00 | 0.50 | 1.00 | 4.00 | 2.00 | `k` | 1.50 | 1.50 | `j` 0.50 |"
