@@ -24,6 +24,7 @@ import atexit
 import datetime
 import logging
 import pickle
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -111,10 +112,38 @@ def agreed(
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a one-process group, or a launcher's rendezvous)."""
+    """A TCP port free on 127.0.0.1 now (for a one-process group, a launcher's rendezvous, a server), below the
+    kernel's ephemeral range where the platform says where that is.
+
+    Why below it: a port the kernel hands out for `bind(0)` returns to its ephemeral pool at once, and the next
+    socket that binds port 0 or connects out (gloo's pair listeners, a store client, an HTTP request) may be given
+    it before the caller listens there: a CI run lost a server test to that (the trainer's weight-transfer port taken
+    between the test picking it and the job's trainer listening, EADDRINUSE). The kernel never gives out a port below
+    the range by itself; only an explicit bind takes one.
+    """
+    low = _ephemeral_low()
+    if low is not None and low > 2048:
+        pick = random.SystemRandom()  # NOTE: not `random`: forked processes share its state and would pick alike
+        for _ in range(64):
+            port = pick.randrange(max(1024, low - 12000), low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (Linux: `net.ipv4.ip_local_port_range`), None where unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 # One pair of groups per (training world, timeout): creating a group is itself a collective, so every WeightSync

@@ -100,6 +100,66 @@ def test_adapter_sync_pushes_the_full_adapter_and_unshards_nothing(backend: str,
         assert r["bytes"] == r["adapter_numel"] * 4
 
 
+def nonfinite_scenario(rank: int, world_size: int, backend: str, directory: str) -> dict[str, object]:
+    """`check_finite=True`: a NaN in one rank's own shard of one `lora_B` (written into the shard's storage, as a
+    diverged step would; the last rank that holds a piece of one: under FSDP1 every `lora_B` of this model lies in
+    rank 0's half of its unit) fails the sync on every rank before anything is loaded, that rank naming the weight;
+    once the value is back, the next sync pushes the trainer's adapter bit for bit."""
+    from fsdp_sync.errors import NonFiniteWeightsError, SyncError
+
+    save_base(directory, seed=0)
+    wrapped = wrap(peft_lm(), backend, world_size)
+    writer = RecordingAdapterWriter(directory)
+    sync = build_sync(wrapped, writer, SyncConfig(adapter=True, check_finite=True), device=torch.device("cpu"))
+    sync.sync()
+    names = [n for n in sync.gatherer.specs() if "lora_B" in n]
+    pieces = [p for p in sync.gatherer.local_pieces(names) if p.values.numel()]
+    holders = [None] * world_size
+    dist.all_gather_object(holders, bool(pieces))
+    chosen = max(r for r, holds in enumerate(holders) if holds)
+    target = pieces[0] if rank == chosen else None
+    kept = target.values[0].clone() if target is not None else None
+    with torch.no_grad():
+        if target is not None:
+            target.values[0] = float("nan")
+    error: Exception | None = None
+    try:
+        sync.sync()
+    except SyncError as e:
+        error = e
+    with torch.no_grad():
+        if target is not None:
+            target.values[0] = kept
+    loaded_after_failure = len(writer.adapters)
+    sync.sync()
+    expected = full_adapter(wrapped)
+    last = writer.adapters[-1]
+    return {
+        "error": type(error).__name__ if error is not None else None,
+        "nonfinite": isinstance(error, NonFiniteWeightsError),
+        "message": str(error),
+        "named": target.name if target is not None else None,
+        "loaded": [loaded_after_failure, len(writer.adapters)],
+        "exact": all(torch.equal(last.tensors[k], expected[k]) for k in expected),
+        "ids": [a.adapter_id for a in writer.adapters],
+        "chosen": chosen,
+    }
+
+
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+def test_check_finite_fails_every_rank_naming_the_adapter_weight_and_nothing_is_loaded(
+    backend: str, tmp_path: Path
+) -> None:
+    results = run_distributed(nonfinite_scenario, backend, str(tmp_path))
+    chosen = results[0]["chosen"]
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, "a NaN in the adapter must fail the sync on every rank"
+        assert r["nonfinite"] == (rank == chosen), r
+        assert r["loaded"] == [1, 2] and r["ids"] == [1, 2], "nothing may be loaded by the failed sync"
+        assert r["exact"]
+    assert results[chosen]["named"] in results[chosen]["message"], results[chosen]["message"]
+
+
 def refusal_scenario(rank: int, world_size: int, backend: str, directory: str, case: str) -> dict[str, object]:
     from fsdp_sync.errors import UnsupportedSetupError
 
