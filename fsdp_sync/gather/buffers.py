@@ -97,7 +97,8 @@ class WithBuffers:
         params = [i for i, name in enumerate(names) if name not in own]
         inner = self.inner.held_pieces([names[i] for i in params])
         places = [(params[k], start, count) for k, start, count in inner.places]
-        buffers = [name for name in names if name in own and self._buffer(name).numel()] if rank() == 0 else []
+        sizes = {i: self._buffer(name).numel() for i, name in enumerate(names) if name in own} if rank() == 0 else {}
+        places += [(i, 0, n) for i, n in sizes.items() if n]
+        buffers = [names[i] for i, n in sizes.items() if n]
         # NOTE: buffers are looked up at each read, as everywhere here (a module may replace a buffer object).
-        places += [(names.index(name), 0, self._buffer(name).numel()) for name in buffers]
         return HeldPieces(tuple(places), lambda: [*inner.read(), *(self._buffer(name) for name in buffers)])
