@@ -4,6 +4,7 @@ through the broadcast path (the sender sends every worker every tensor) and the 
 its share, each worker receives its cut), in one run.
 
     python -m benchmarks.multi_worker [--reps 5]   (the results in benchmarks/results: --reps 6)
+    python -m benchmarks.multi_worker --sparse --trainers fsdp2x2   (sparse syncs: multi-worker-sparse-cpu.md)
 
 For each server in turn (each stopped before the next starts: a multi-worker server pins both cores):
 - `single`: docs/server.md's tensor-parallel CPU command without `--tensor-parallel-size 2` and without its per-worker
@@ -24,6 +25,10 @@ process and every trainer rank received and sent over TCP meanwhile (the kernel'
 gloo's connections are TCP, so a worker's count is the bytes it received), and the CPU seconds of every server
 process. Per worker: the bytes of the weights it holds, whole and as its shard, and its peak RSS (`VmHWM`).
 Writes benchmarks/results/multi-worker-cpu.{json,md}.
+
+With `--sparse`, each repetition is one Adam step at `SPARSE_LR` and one sparse sync: what each worker received
+(measured) against one whole copy of the sync's patches, broadcast and routed (rank 0 sends each worker only the
+changes inside its cut). Writes benchmarks/results/multi-worker-sparse-cpu.{json,md}.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from fsdp_sync._demo.models import TinySpec
 
 from .run import RESULTS, _save
 
-__all__ = ["SERVERS", "SPEC", "multi_worker_rank", "multi_worker_rows", "multi_worker_table"]
+__all__ = ["SERVERS", "SPEC", "multi_worker_rank", "multi_worker_rows", "multi_worker_sparse_table", "multi_worker_table"]
 
 # Qwen2-style, about 20M parameters (41 MB a sync in bf16): big enough that a sync is not all overhead, small enough
 # that three servers start and sync within a few minutes on 2 cores. Two KV heads: each TP2 worker holds one of them.
@@ -59,6 +64,8 @@ SERVERS = {"single": None, "tp2": "--tensor-parallel-size 2", "dp2": "--data-par
 # (backend, trainer ranks), and the two paths of issue 50.
 TRAINERS = (("fsdp2", 2), ("fsdp1", 2), ("fsdp2", 3))
 PATHS = ("broadcast", "routed")
+# The sparse runs' learning rate: about 2% of bf16 values change per Adam step (benchmarks/results/sparse-cpu.md).
+SPARSE_LR = 1e-6
 _BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 _MB = 1e6
 
@@ -206,16 +213,18 @@ def _shards(wrapped: torch.nn.Module, model_dir: str, base_url: str, dtype: torc
 
 def multi_worker_rank(
     rank: int, world_size: int, server: str, backend: str, path: str, model_dir: str, base_url: str, group_port: int,
-    reps: int, server_pids: dict[str, int],
+    reps: int, server_pids: dict[str, int], sparse: bool = False,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """One trainer rank: the cold sync, then `reps` x (an Adam step, a delta and a complete sync, alternating order);
-    rank 0 also reads every process's I/O counters around each sync and, at the end, the workers' shards. `path`
-    "broadcast" builds the writer with its routing off (`ServerWriter.shares`, read once when the sync is built)."""
+    """One trainer rank: the cold sync, then `reps` x (an Adam step, a delta and a complete sync, alternating order;
+    `sparse`: an Adam step at `SPARSE_LR` and a sparse sync); rank 0 also reads every process's I/O counters around
+    each sync and, at the end, the workers' shards. `path` "broadcast" builds the writer with its routing off
+    (`ServerWriter.shares`, read once when the sync is built)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from fsdp_sync.assemble import build_sync
     from fsdp_sync.config import SyncConfig
+    from fsdp_sync.report import SparseFigures
 
     from .common import server_writer, wrap_fsdp
     from .sparse import _train_step
@@ -226,8 +235,8 @@ def multi_worker_rank(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     vocab = model.config.vocab_size
     wrapped = wrap_fsdp(model, backend, device)
-    sync = build_sync(wrapped, writer, SyncConfig(), device=device)
-    optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-4)
+    sync = build_sync(wrapped, writer, SyncConfig(sparse=sparse), device=device)
+    optimizer = torch.optim.Adam(wrapped.parameters(), lr=SPARSE_LR if sparse else 1e-4)
     trainer_pids: list[int] = [0] * world_size
     dist.all_gather_object(trainer_pids, os.getpid())
     watched = {**{f"trainer-rank{r}": pid for r, pid in enumerate(trainer_pids)}, **server_pids}
@@ -261,11 +270,17 @@ def multi_worker_rank(
             "received": {n: after[n][0] - before[n][0] for n in after},
             "sent": {n: after[n][1] - before[n][1] for n in after},
             "cpu_seconds": {n: cpu_after[n] - cpu_before[n] for n in cpu_after},
+            "sparse": report.sparse, "changed_fraction": report.changed_fraction,
+            "encoded_bytes": figures.encoded_bytes if (figures := report.figure(SparseFigures)) is not None else 0,
+            "worker_bytes": list(report.worker_bytes),
         })  # fmt: skip
 
     run("first", 0)
     for rep in range(reps):
         _train_step(wrapped, optimizer, vocab, rep)
+        if sparse:
+            run("sparse", rep)
+            continue
         for kind in ("delta", "complete") if rep % 2 == 0 else ("complete", "delta"):
             run(kind, rep)
     shards = _shards(wrapped, model_dir, base_url, writer.engine_dtype or torch.float32)
@@ -278,7 +293,10 @@ def multi_worker_rank(
 
 
 def multi_worker_rows(
-    reps: int, servers: tuple[str, ...] = tuple(SERVERS), trainers: tuple[tuple[str, int], ...] = TRAINERS
+    reps: int,
+    servers: tuple[str, ...] = tuple(SERVERS),
+    trainers: tuple[tuple[str, int], ...] = TRAINERS,
+    sparse: bool = False,
 ) -> list[dict[str, Any]]:
     """Every server of `SERVERS` in turn, the same checkpoint and the same trainer work against each."""
     from tests.support.dist import free_port, run_distributed
@@ -298,7 +316,7 @@ def multi_worker_rows(
                         try:
                             results += run_distributed(
                                 multi_worker_rank, name, backend, path, str(model_dir), server.base_url, free_port(),
-                                reps, procs, world_size=ranks, backend="gloo",
+                                reps, procs, sparse, world_size=ranks, backend="gloo",
                             )  # fmt: skip
                         except RuntimeError as e:
                             raise RuntimeError(
@@ -324,6 +342,13 @@ def _median(values: list[float]) -> float:
 
 def _trainer(r: dict[str, Any]) -> str:
     return f"{r['backend'].upper()} x {r['ranks']}"
+
+
+def _verdict(checks: list[dict[str, Any]], server: str) -> tuple[list[dict[str, Any]], str]:
+    """`server`'s shard checks (one per trainer run) and what they found."""
+    mine = [c for c in checks if c["server"] == server]
+    wrong = [f"{_trainer(c)} {c['path']}: {len(c['problems'])}" for c in mine if c["problems"]]
+    return mine, "every weight equal" if not wrong else f"problems: {'; '.join(wrong)}"
 
 
 def multi_worker_table(rows: list[dict[str, Any]]) -> str:
@@ -388,9 +413,7 @@ def multi_worker_table(rows: list[dict[str, Any]]) -> str:
                 f"{held['whole_bytes'] / _MB:.2f} | {held['kept_bytes'] / _MB:.2f} | "
                 f"{held['kept_bytes'] / got['routed']:.1%} | {server['peak_rss'][process] / 2**20:.0f} |"
             )
-        mine = [c for c in checks if c["server"] == name]
-        wrong = [f"{_trainer(c)} {c['path']}: {len(c['problems'])}" for c in mine if c["problems"]]
-        verdict = "every weight equal" if not wrong else f"problems: {'; '.join(wrong)}"
+        mine, verdict = _verdict(checks, name)
         notes.append(
             f"- {name}: server up after {server['startup_seconds']:.0f} s; after each trainer's last sync (both paths, "
             f"{len(mine)} runs), {mine[0]['checked']} worker weights compared with the trainer's each time (each cut as "
@@ -421,6 +444,49 @@ def multi_worker_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(notes)
 
 
+def multi_worker_sparse_table(rows: list[dict[str, Any]]) -> str:
+    """Per server and path, the sparse syncs (after the cold one): their median time, the changed share, one whole copy
+    of their patches, and what each worker received (measured) against that copy."""
+    servers = {r["server"]: r for r in rows if r["row"] == "server"}
+    checks = [r for r in rows if r["row"] == "shards"]
+    syncs = [r for r in rows if r["row"] == "sync" and r["rank"] == 0 and r["kind"] == "sparse"]
+    lines = [
+        "| server | trainer | path | sparse sync ms (median) | changed (median) | MB of the patches, one whole copy "
+        "(median) | MB received by each worker (measured) | each worker / one whole copy | MB rank 0 put on the wire |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for name, server in servers.items():
+        for trainer, path in sorted({(_trainer(r), r["path"]) for r in syncs}, key=lambda k: (k[0], PATHS.index(k[1]))):
+            chosen = [r for r in syncs if (r["server"], _trainer(r), r["path"]) == (name, trainer, path)]
+            if not chosen:
+                continue
+            if not all(r["sparse"] for r in chosen):
+                raise RuntimeError(f"{name} {trainer} {path}: a sync after a step sent no patches: {chosen}")
+            whole = _median([r["encoded_bytes"] for r in chosen])
+            received = [_median([r["received"][w] for r in chosen]) for w in server["workers"]]
+            lines.append(
+                f"| {name} | {trainer} | {path} | {_median([r['seconds'] for r in chosen]) * 1e3:.1f} | "
+                f"{_median([r['changed_fraction'] for r in chosen]):.2%} | {whole / _MB:.3f} | "
+                f"{' / '.join(f'{b / _MB:.3f}' for b in received)} | {' / '.join(f'{b / whole:.2f}' for b in received)} "
+                f"| {_median([r['shares'][0] for r in chosen]) / _MB:.3f} |"
+            )
+        mine, verdict = _verdict(checks, name)
+        notes.append(
+            f"- {name}: after each trainer's last sync (both paths, {len(mine)} runs), {mine[0]['checked']} worker "
+            f"weights compared with the trainer's (each cut as its worker's loader cuts it), bit for bit: {verdict}."
+        )
+    notes.append(
+        f"- Each sparse sync follows one Adam step at learning rate {SPARSE_LR} (`SyncConfig(sparse=True)`); the cold "
+        "sync before them (complete) is not in the table. One whole copy: the sync's patches encoded "
+        "(`SparseFigures.encoded_bytes`), what a broadcast sends every worker. Measured: the kernel's per-socket "
+        "counters of each worker process around the sync (`ss -tinp`). Routed: rank 0 sends each worker only the "
+        "changes inside its cut; where no worker holds a cut (`dp2`: replicas of one worker each), the writer "
+        "broadcasts the patches, as the `broadcast` path does."
+    )
+    return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -429,23 +495,29 @@ def main(argv: list[str] | None = None) -> int:
         "--trainers", default=",".join(f"{b}x{n}" for b, n in TRAINERS), help="comma-separated BACKENDxRANKS"
     )
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--sparse", action="store_true", help="sparse syncs after small steps (multi-worker-sparse-cpu.md)"
+    )
     args = parser.parse_args(argv)
     for name, value in (("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_OFFLINE", "1")):
         os.environ.setdefault(name, value)
     import vllm
 
     trainers = tuple((b, int(n)) for b, n in (t.split("x") for t in args.trainers.split(",")))
-    rows = multi_worker_rows(args.reps, tuple(args.servers.split(",")), trainers)
+    rows = multi_worker_rows(args.reps, tuple(args.servers.split(",")), trainers, args.sparse)
     machine = (
         f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other work), torch {torch.__version__}, vLLM "
         f"{vllm.__version__}; {SPEC_NAME} (Qwen2: hidden {SPEC.hidden_size}, {SPEC.num_hidden_layers} layers, "
         f"{SPEC.num_attention_heads} heads, {SPEC.num_key_value_heads} KV heads, vocabulary {SPEC.vocab_size}, tied); "
-        "gloo trainer ranks (FSDP2 x 2, FSDP1 x 2, FSDP2 x 3), the library's server writer, gloo weight transfer, "
-        "broadcast and routed; docs/server.md's CPU server "
+        f"gloo trainer ranks ({', '.join(f'{b.upper()} x {n}' for b, n in trainers)}), the library's server writer, "
+        f"gloo weight transfer, broadcast and routed{', sparse syncs' if args.sparse else ''}; docs/server.md's CPU server "
         "commands (bf16; single: the tensor-parallel one without its parallel flag and CPU binding), readable weights, "
         f"one server at a time; {args.reps} reps, medians"
     )
-    _save(args.results, "multi-worker-cpu", machine, rows, multi_worker_table)
+    if args.sparse:
+        _save(args.results, "multi-worker-sparse-cpu", machine, rows, multi_worker_sparse_table)
+    else:
+        _save(args.results, "multi-worker-cpu", machine, rows, multi_worker_table)
     return 0
 
 

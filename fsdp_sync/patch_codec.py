@@ -16,7 +16,7 @@ import torch
 
 from fsdp_sync.compat.patch_api import EnginePatch
 
-__all__ = ["decode_indices", "decode_patch", "encode_indices", "encode_patch", "index_blocks"]
+__all__ = ["decode_indices", "decode_patch", "encode_indices", "encode_patch", "index_blocks", "segment_sizes"]
 
 # Indices travel as their low 16 bits, grouped by block of 2**16 elements, with a count per block: 2 bytes per change
 # plus 4 per block per rank, instead of 4 or 8 per change (measured at learning rate 1e-6: about 2% of bf16 values
@@ -28,6 +28,11 @@ _BLOCK_BITS = 16
 def index_blocks(numel: int) -> int:
     """The blocks of 2**16 elements of a tensor of `numel` elements."""
     return -(-numel // (1 << _BLOCK_BITS))
+
+
+def segment_sizes(numel: int, count: int, itemsize: int) -> tuple[int, int, int]:
+    """The bytes of one encoded patch's segments (`encode_patch`): its blocks, indices and values."""
+    return 4 * index_blocks(numel), 2 * count, itemsize * count
 
 
 def encode_indices(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:

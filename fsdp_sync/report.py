@@ -68,6 +68,8 @@ class SparseFigures:
             whole: their engine module changed more than `SyncConfig.sparse_max_density`).
         changed_elements: the elements among them that changed (those of the patched tensors sent as (index, value)).
         patch_bytes: bytes of the patches on the wire (the trainer's patch collectives, as one rank receives them).
+        encoded_bytes: the patches as an engine receives them, one whole copy (`fsdp_sync.patch_codec`'s segments):
+            what a broadcast sends every server worker; a routed push sends each worker the part inside its cut.
         snapshot_bytes: this rank's sparse snapshot (its shards as last pushed, in the engine dtype).
         snapshot_seconds: time to take the snapshot after a dense sync (not in `seconds`).
         patch_seconds: the trainer side: the diff, the counts and the patch collectives (in `seconds`).
@@ -79,6 +81,7 @@ class SparseFigures:
     diffed_elements: int = 0
     changed_elements: int = 0
     patch_bytes: int = 0
+    encoded_bytes: int = 0
     snapshot_bytes: int = 0
     snapshot_seconds: float = 0.0
     patch_seconds: float = 0.0
@@ -155,6 +158,8 @@ class SyncReport:
         figures: the mode's own figures (`DeltaFigures`, `SparseFigures`, `AdapterFigures`), read with `figure`.
         sent_bytes: bytes this rank put on the transfer's wire (a server writer's: its share of a routed push, where
             every rank sends; the whole stream where only rank 0 does); None where the writer does not count them.
+        worker_bytes: of `sent_bytes`, what each server worker received from this rank, in worker order (a
+            broadcast's: every byte to every worker; a routed push's: that worker's cut); empty where not counted.
     """
 
     seconds: float
@@ -173,6 +178,7 @@ class SyncReport:
     verify_seconds: float = 0.0
     figures: tuple[Figures, ...] = ()
     sent_bytes: int | None = None
+    worker_bytes: tuple[int, ...] = ()
 
     @classmethod
     def failed(cls, error: BaseException, engine: str, *, backend: str, strategy: str, writer: str) -> SyncReport:

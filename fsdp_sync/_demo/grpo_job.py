@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import traceback
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +116,13 @@ def _setup_env() -> None:
 
 
 def reward(completions: list[Any], **_: Any) -> list[float]:
-    """The job's reward (the tests' AsyncGRPO job uses it too)."""
-    # Any deterministic signal will do; this one prefers short completions with the word "the".
-    return [str(c).count("the") - 0.1 * len(str(c)) for c in completions]
+    """The job's reward (the tests' AsyncGRPO job uses it too): prefers short completions with the word "the"."""
+    # NOTE: plus a tie-break under 0.01 (below one character's 0.1) from the text's CRC-32. Two completions of the
+    # tiny model often have the same length, and a group of equal rewards has zero advantages: a step of such groups
+    # moves no weight, and a delta or sparse sync after it has nothing to send (a CI run's AsyncGRPO sparse test saw
+    # both later syncs empty). Only identical completions tie now.
+    texts = [str(c) for c in completions]
+    return [t.count("the") - 0.1 * len(t) + zlib.crc32(t.encode()) / 2**32 / 100 for t in texts]
 
 
 _GENERATION_GROUP: dict[str, Any] = {"num_generations": 2, "max_completion_length": 8, "vllm_max_model_length": 64}

@@ -70,6 +70,7 @@ class SparseRound:
         changed_elements: the changed elements among them.
         patched_elements: the elements of the tensors sent as patches.
         wire_bytes: bytes of the patch collectives as one rank receives them.
+        encoded_bytes: the patches as an engine receives them (`patch_codec`'s segments), one whole copy.
     """
 
     dense: tuple[PlannedTensor, ...]
@@ -79,6 +80,7 @@ class SparseRound:
     changed_elements: int
     patched_elements: int
     wire_bytes: int
+    encoded_bytes: int = 0
 
     @property
     def patched_share(self) -> float:

@@ -219,4 +219,5 @@ class WeightSync(SyncFrame):
             verify_seconds=verified.seconds if verified is not None else 0.0,
             figures=self.policy.report(payload, settled),
             sent_bytes=self.push.sent_bytes,
+            worker_bytes=self.push.worker_bytes,
         )

@@ -230,10 +230,10 @@ class Push:
         self.role.announce(payload.whole, rounds)
         if self.shared is not None:
             self._hand_ticket(rounds, payload)
-        run = self.stream.open(plan, rounds, select=payload.gather, copy=self.copy, digests=digests)
+        # With patches, only the whole part is sent; the rest is gathered for its digests (verify) and dropped.
+        send = frozenset(t.name for t in payload.whole) if payload.patches is not None else None
+        run = self.stream.open(plan, rounds, select=payload.gather, copy=self.copy, digests=digests, send=send)
         stream: Iterator[tuple[str, torch.Tensor]] = iter(run)
-        if payload.patches is not None:
-            stream = _only(stream, frozenset(t.name for t in payload.whole))
         engine: EngineState | None = None
         try:
             engine = self.role.write(stream, rounds, payload)
@@ -258,6 +258,11 @@ class Push:
     def sent_bytes(self) -> int | None:
         """Bytes this rank put on the transfer's wire in its last push (a shared writer's count; None elsewhere)."""
         return self.shared.sent_bytes if self.shared is not None else None
+
+    @property
+    def worker_bytes(self) -> tuple[int, ...]:
+        """Of `sent_bytes`, what each server worker received from this rank (a shared writer's; empty elsewhere)."""
+        return self.shared.worker_bytes if self.shared is not None else ()
 
     def _forget_route(self) -> None:
         """After a failed push, on every rank: a shared push's transfer is set up again at the next one."""
@@ -298,13 +303,6 @@ def _unpatched(whole: Sequence[PlannedTensor]) -> EngineState:
     if not whole:
         return EngineState("unchanged", note="the sync's patches were not written")
     return EngineState("mixed", note="the tensors sent whole hold their new values, the patched ones old or new ones")
-
-
-def _only(stream: Iterator[tuple[str, torch.Tensor]], names: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of `stream` named in `names` (the rest is consumed, for its digests, and not sent)."""
-    for name, tensor in stream:
-        if name in names:
-            yield name, tensor
 
 
 def _faulted(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

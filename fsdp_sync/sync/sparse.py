@@ -33,6 +33,7 @@ from fsdp_sync.compat.patch_api import EnginePatch
 from ..distributed import Coordinator, Rounds, agreed
 from ..errors import EngineState, SyncError, agreed_error
 from ..faults import fault_point
+from ..patch_codec import segment_sizes
 from ..gather.base import Gatherer
 from ..writers.base import PatchWriter
 from .delta import DeltaPolicy, DeltaTracker, EngineGroups
@@ -261,7 +262,8 @@ class SparseTracker:
         sparse_names = [n for n in names if n not in whole]
         dtypes = [self._wire_dtype(self.tensors[n]) for n in sparse_names]
         sizes = [numels[n] for n in sparse_names]
-        packed = pack_patches(sparse_names, local, dtypes, sizes, counts.subset(sparse_names))
+        patched = counts.subset(sparse_names)
+        packed = pack_patches(sparse_names, local, dtypes, sizes, patched)
         plan = SparseRound(
             dense=tuple(t for t in selected if t.name in whole),
             patches=(),
@@ -270,6 +272,11 @@ class SparseTracker:
             changed_elements=sum(totals),
             patched_elements=sum(numels[n] for n in sparse_names),
             wire_bytes=0,
+            encoded_bytes=sum(
+                sum(segment_sizes(numel, count, dtype.itemsize))
+                for numel, count, dtype in zip(sizes, patched.totals, dtypes, strict=True)
+                if count  # a tensor without a change has no patch
+            ),
         )
         return plan, packed
 
@@ -480,6 +487,7 @@ class SparsePolicy:
             diffed_elements=done.diffed_elements if done is not None else 0,
             changed_elements=done.changed_elements if done is not None else 0,
             patch_bytes=done.wire_bytes if done is not None else 0,
+            encoded_bytes=done.encoded_bytes if done is not None else 0,
             snapshot_bytes=snapshot,
             snapshot_seconds=settled.snapshot_seconds,
             patch_seconds=payload.patch_seconds,

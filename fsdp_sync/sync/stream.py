@@ -120,19 +120,22 @@ class WeightStream:
         select: frozenset[str] | None = None,
         copy: bool = False,
         digests: EngineDigests | None = None,
+        send: frozenset[str] | None = None,
     ) -> StreamPass:
         """One pass over the weights of `plan` (those in `select`, by trainer name, when given); the gather starts
         when the pass is first iterated, and runs the status rounds in `rounds`.
 
         Args:
             copy: copy each tensor out of the gatherer's storage (a consumer that keeps tensors past the next unit).
-            digests: add every tensor sent to these digests (`SyncConfig.verify`).
+            digests: add every tensor of the pass to these digests (`SyncConfig.verify`).
+            send: the engine tensors handed out (None: every one); the others are only added to `digests` (a
+                sparse sync's patched tensors, gathered for verify) and are not counted as sent.
         """
         inputs = self.merge_inputs(plan)
         if inputs is not None and select is not None:
             # A merged base weight is sent with its adapters' weights, or it cannot be merged.
             select = select | inputs.needed_by(plan.targets.get(n) for n in select)
-        return StreamPass(self, plan, rounds, select, copy, digests)
+        return StreamPass(self, plan, rounds, select, copy, digests, send)
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,7 @@ class StreamPass:
     rank's remaining part of the gather (it stops at its next status round once any rank failed).
 
     Attributes:
-        bytes, tensors: what was handed out so far.
+        bytes, tensors: what was handed out so far (digested only: not counted).
     """
 
     def __init__(
@@ -217,6 +220,7 @@ class StreamPass:
         select: frozenset[str] | None,
         copy: bool,
         digests: EngineDigests | None,
+        send: frozenset[str] | None = None,
     ) -> None:
         self.stream = stream
         self.plan = plan
@@ -224,13 +228,14 @@ class StreamPass:
         self.select = select
         self.copy = copy
         self.digests = digests
+        self.send = send
         self.bytes = 0
         self.tensors = 0
         self._source = iter(stream.gatherer.iter_full(stream.meter, select, rounds))
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         stream, plan, rounds = self.stream, self.plan, self.rounds
-        dtype, meter, merge, copy = stream.dtype, stream.meter, stream.merge, self.copy
+        dtype, meter, merge, copy, send = stream.dtype, stream.meter, stream.merge, self.copy, self.send
         dropped = {d.name for d in plan.dropped}
         merge_names = merge.names if merge is not None else frozenset()
         inputs = stream.merge_inputs(plan)
@@ -290,10 +295,13 @@ class StreamPass:
                         owned = converted if keep else converted.to(dtype=cast_to, copy=copy and not fresh)
                         if owned is not converted:
                             meter.hold_until_freed(owned)
-                        self.bytes += owned.numel() * owned.element_size()
-                        self.tensors += 1
                         if self.digests is not None:
                             self.digests.add(name, owned)
+                        if send is not None and name not in send:
+                            del converted, owned
+                            continue
+                        self.bytes += owned.numel() * owned.element_size()
+                        self.tensors += 1
                         yield name, owned
                         # NOTE: drop this frame's references before the gatherer is asked for the next unit, so that
                         # they do not keep the previous unit's buffer alive while the next one is gathered.

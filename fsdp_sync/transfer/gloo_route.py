@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -58,27 +58,53 @@ class RouteSender:
         # Chunks the stream completed so far (sent by this rank or another).
         self.completed = 0
         self.sent_bytes = 0
+        self.worker_bytes = [0] * route.workers  # of `sent_bytes`, what went to each worker
         # Sends never waited for (a failed update's), with their buffers: gloo writes from the buffer for as long as
         # the send is pending, so they are kept until the route group is dropped (`abandoned`).
         self.pending: list[tuple[Any, torch.Tensor]] = []
 
     def send(self, stream: Iterator[tuple[str, torch.Tensor]], meta: list[ParamMeta]) -> None:
-        """Send this rank's chunks of `stream` (already checked against `meta`).
+        """Send this rank's chunks of a dense `stream` (already checked against `meta`): each worker its cut of
+        every tensor.
 
         Raises:
             the stream's error (after the aborts), a send's, or the server's answer.
         """
-        route, me = self.route, self.rank
+        route = self.route
         shapes, dtypes = [m.shape for m in meta], [m.dtype for m in meta]
-        sizes = [route.sizes(w, shapes, dtypes) for w in range(route.workers)]
-        chunks = [plan_chunks(sizes[w], route.buffer_bytes) for w in range(route.workers)]
         cuts = [route.cuts_of(w) for w in range(route.workers)]
+
+        def fill(part: torch.Tensor, tensor: torch.Tensor, w: int, i: int) -> None:
+            part.view(tensor.dtype).view(cut_shape(tensor.shape, cuts[w][i])).copy_(take(tensor, cuts[w][i]))
+
+        self._send((t for _, t in stream), [route.sizes(w, shapes, dtypes) for w in range(route.workers)], fill)
+
+    def send_parts(self, parts: Iterator[Sequence[torch.Tensor]], sizes: list[list[int]]) -> None:
+        """Send this rank's chunks of a stream whose every item differs by place (a sparse update's segments: each
+        place's own bytes, `parts[place]`); `sizes[w]`: each item's bytes as worker `w` receives it.
+
+        Raises:
+            a send's error, or the server's answer.
+        """
+        replica = self.route.replica
+
+        def fill(part: torch.Tensor, item: Sequence[torch.Tensor], w: int, i: int) -> None:
+            part.copy_(item[w % replica])
+
+        self._send(parts, sizes, fill)
+
+    def _send(self, items: Iterator[Any], sizes: list[list[int]], fill: Callable[[torch.Tensor, Any, int, int], None]) -> None:
+        """The route's loop: each item's part for every worker whose current chunk this rank sends is written there
+        (`fill(part, item, worker, index)`, `part` the item's `sizes[worker][index]` bytes of that chunk), and a
+        chunk is sent once the stream completes it."""
+        route, me = self.route, self.rank
+        chunks = [plan_chunks(sizes[w], route.buffer_bytes) for w in range(route.workers)]
         following = [0] * route.workers  # each worker's next chunk
         buffers: dict[int, torch.Tensor] = {}
         # Sends on the wire and their buffers, oldest first; at most two chunks per worker wait at once.
         in_flight: deque[tuple[Any, torch.Tensor]] = deque()
         try:
-            for i, (_, tensor) in enumerate(stream):
+            for i, item in enumerate(items):
                 for w in range(route.workers):
                     k = following[w]
                     chunk = chunks[w][k]
@@ -88,8 +114,7 @@ class RouteSender:
                             buffer = buffers[w] = torch.empty(chunk.nbytes + TRAILER, dtype=torch.uint8)
                         if sizes[w][i]:
                             offset = chunk.offsets[i - chunk.start]
-                            part = buffer[offset : offset + sizes[w][i]].view(tensor.dtype)
-                            part.view(cut_shape(tensor.shape, cuts[w][i])).copy_(take(tensor, cuts[w][i]))
+                            fill(buffer[offset : offset + sizes[w][i]], item, w, i)
                     if i + 1 < chunk.stop:
                         continue
                     following[w] += 1
@@ -104,7 +129,8 @@ class RouteSender:
                         self.wait(in_flight.popleft()[0])
                     in_flight.append((send_to(self.group, buffer, route.senders + w, route.tag), buffer))
                     self.sent_bytes += buffer.numel()
-                del tensor
+                    self.worker_bytes[w] += buffer.numel()
+                del item
             while in_flight:
                 self.wait(in_flight.popleft()[0])
         except BaseException:

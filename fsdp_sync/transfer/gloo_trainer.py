@@ -49,7 +49,7 @@ from .gloo_wire import (
     send_abort,
 )
 from .gloo_route import RouteSender
-from .routes import RoutePlan
+from .routes import RoutedPatches, RoutePlan
 
 if TYPE_CHECKING:
     from fsdp_sync.compat.patch_api import EnginePatch
@@ -140,8 +140,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.deadline: float | None = None
         # Chunks of data broadcast in the current round (0 until one is): whether the server can hold anything new.
         self.data_chunks = 0
-        # Bytes this rank put on the wire in its last dense round (its share, in a routed one).
+        # Bytes this rank put on the wire in the current sync (its share, in a routed one; the writer zeroes both
+        # counts at each sync), and of them, what went to each worker (a broadcast's chunk: to every worker).
         self.sent_bytes = 0
+        self.worker_bytes: list[int] = []
         # Staged rounds (the writer sets it): each update is received into the server's host memory and written only
         # at `commit`, which the writer calls with the server paused.
         self.staged = False
@@ -267,16 +269,34 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._route_stream(source_tensors(source), meta, route)
             return
         update = _announce(meta, route=route.as_json() if route is not None else None)
-        self._round(update, source_tensors(source), meta, route=route)
+        stream = source_tensors(source)
+        if route is None:
+            self._round(update, lambda answer: self._broadcast_stream(stream, meta, answer))
+        else:
+            staged = self._staged(update)
+            self._round(update, lambda answer: self._route_stream(stream, meta, route, answer, staged))
 
-    def send_patches(self, patches: Sequence[EnginePatch]) -> int:
-        """One sparse update: announce the patched tensors and their counts, broadcast the encoded patches (the
-        chunks of `plan_chunks` over each tensor's three segments). Returns the bytes broadcast."""
+    def send_patches(self, patches: Sequence[EnginePatch], routed: RoutedPatches | None = None) -> int:
+        """One sparse update: announce the patched tensors and their counts, and send the encoded patches (the
+        chunks of `plan_chunks` over each tensor's three segments): broadcast whole, or with `routed`
+        (`routes.route_patches`), each worker only the changes inside its cut, point to point over the route group.
+        Returns the bytes this rank sent."""
         from fsdp_sync.patch_codec import encode_patch
 
-        update = _announce(
-            [ParamMeta(p.name, p.dtype, tuple(p.shape)) for p in patches], counts=[p.indices.numel() for p in patches]
-        )
+        meta = [ParamMeta(p.name, p.dtype, tuple(p.shape)) for p in patches]
+        counts = [p.indices.numel() for p in patches]
+        # NOTE: the workers write a sparse update only once every chunk arrived; before that the engine is unchanged.
+        if routed is not None:
+            if self.route_group is None:
+                raise RuntimeError("a routed sparse update, but this transfer has no route group")
+            route, encoded = routed
+            shapes, dtypes = [m.shape for m in meta], [m.dtype for m in meta]
+            sizes = [route.sizes(w, shapes, dtypes) for w in range(route.workers)]
+            items = (segments for tensor in encoded for segments in zip(*tensor, strict=True))
+            update = _announce(meta, counts=counts, route=route.as_json())
+            self._round(update, lambda answer: self._route_parts(items, sizes, route, answer), written_whole=True)
+            return sum(sum(s) for s in sizes)
+        update = _announce(meta, counts=counts)
         segments: list[ParamMeta] = []
         tensors: list[tuple[str, torch.Tensor]] = []
         for p in patches:
@@ -285,8 +305,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 tensors.append((segments[-1].name, raw))
         if [m.shape[0] for m in segments] != update.segment_sizes():
             raise AssertionError("sparse update: the encoded segments disagree with GlooUpdateInfo.segment_sizes")
-        # NOTE: the workers write a sparse update only once every chunk arrived; before that the engine is unchanged.
-        self._round(update, tensors, segments, written_whole=True)
+        self._round(update, lambda answer: self._broadcast_stream(tensors, segments, answer), written_whole=True)
         return sum(m.shape[0] for m in segments)
 
     def send_adapter(self, tensors: Sequence[tuple[str, torch.Tensor]], adapter: dict[str, Any]) -> int:
@@ -294,35 +313,32 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         tensors; the server builds the adapter as it arrives (never staged as weights are) and keeps it beside the
         versions it serves until `publish_adapter`. Returns the bytes broadcast."""
         meta = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors]
-        self._round(_announce(meta, adapter=adapter), list(tensors), meta)
+        self._round(_announce(meta, adapter=adapter), lambda answer: self._broadcast_stream(tensors, meta, answer))
         return sum(nbytes(m.dtype, m.shape) for m in meta)
 
     def publish_adapter(self, name: str, *, fresh: bool) -> None:
         """The adapter version `name`, sent before, becomes one requests may name (every worker, and the API
         server's list); a round without tensors. `fresh`: this trainer's first publish (the versions the server
         served before are retired: their names may be this trainer's next ones, with other contents)."""
-        self._round(_announce([], publish=name, fresh=fresh), [], [])
+        self._round(_announce([], publish=name, fresh=fresh), lambda answer: self._broadcast_stream([], [], answer))
 
-    def _round(
-        self,
-        update: GlooUpdateInfo,
-        stream: Iterable[tuple[str, torch.Tensor]],
-        meta: list[ParamMeta],
-        *,
-        written_whole: bool = False,
-        route: RoutePlan | None = None,
-    ) -> None:
+    def _staged(self, update: GlooUpdateInfo) -> bool:
+        """Whether `update` is staged: an adapter is built on arrival (never staged as weights are), and a publish
+        carries no tensors."""
+        return self.staged and update.adapter is None and update.publish is None
+
+    def _round(self, update: GlooUpdateInfo, send: Callable[[Future], None], *, written_whole: bool = False) -> None:
         """One round, whatever the update: open the server's session (a staged round joins the one already open),
-        announce `update` on a thread, broadcast `stream`, wait for the answer, close the session (a staged round
-        leaves it open for `commit`). `written_whole`: the server writes the update only once all of it arrived.
+        announce `update` on a thread, send its data (`send(answer)`: broadcast or routed, the server's answer
+        checked at every chunk), wait for the answer, close the session (a staged round leaves it open for
+        `commit`). `written_whole`: the server writes the update only once all of it arrived.
 
         Raises:
             the stream's own error (after aborting the update on the workers), the server's answer, or the group's.
         """
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized (trainer_init failed or was not called).")
-        # an adapter is built on arrival (never staged as weights are), and a publish carries no tensors
-        staged = self.staged and update.adapter is None and update.publish is None
+        staged = self._staged(update)
         if staged:
             update.stage = STAGE_RECEIVE
         self.data_chunks = 0
@@ -333,10 +349,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             pool = ThreadPoolExecutor(max_workers=1)
             try:
                 answer = pool.submit(self.client.update_weights, asdict(update))
-                if route is None:
-                    self._broadcast_stream(stream, meta, answer)
-                else:
-                    self._route_stream(stream, meta, route, answer, staged)
+                send(answer)
                 if written_whole and not staged:
                     self.data_chunks = max(self.data_chunks, 1)
                 _first_failure([answer], _left(self.timeout_s, self.deadline), "the server's answer to /update_weights")
@@ -360,7 +373,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         assert self.group is not None
         sizes = [nbytes(m.dtype, m.shape) for m in meta]
         stream = checked(source, meta)
-        self.sent_bytes = 0
         # The broadcast on the wire and its buffer (kept alive until the broadcast is through).
         in_flight: tuple[Any, torch.Tensor] | None = None
         for chunk in plan_chunks(sizes, self.buffer_bytes):
@@ -383,6 +395,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 self._wait(in_flight[0])
             in_flight = (broadcast(self.group, buffer), buffer)
             self.sent_bytes += buffer.numel()
+            self.worker_bytes = [b + buffer.numel() for b in self._workers_bytes()]
             if not self.staged:  # a staged chunk is kept in the server's host memory, not written
                 self.data_chunks += 1
         if in_flight is not None:
@@ -406,10 +419,35 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         try:
             sender.send(checked(source, meta), meta)
         finally:
-            self.abandoned += sender.pending
-            self.sent_bytes = sender.sent_bytes
-            if not staged:
-                self.data_chunks += sender.completed
+            self._sent(sender, staged)
+
+    def _route_parts(
+        self, items: Iterator[Sequence[torch.Tensor]], sizes: list[list[int]], route: RoutePlan, answer: Future
+    ) -> None:
+        """This rank's chunks of a routed update whose items differ by place (`RouteSender.send_parts`)."""
+        assert self.route_group is not None
+        sender = RouteSender(self.route_group, route, self.rank, self._wait, answer=answer)
+        try:
+            sender.send_parts(items, sizes)
+        finally:
+            self._sent(sender, self.staged)
+
+    def _sent(self, sender: RouteSender, staged: bool) -> None:
+        """A routed round's count, whatever its end: its unfinished sends kept, its bytes and chunks added."""
+        self.abandoned += sender.pending
+        self.sent_bytes += sender.sent_bytes
+        self.worker_bytes = [b + s for b, s in zip(self._workers_bytes(len(sender.worker_bytes)), sender.worker_bytes)]
+        if not staged:
+            self.data_chunks += sender.completed
+
+    def _workers_bytes(self, workers: int | None = None) -> list[int]:
+        """This push's bytes to each worker so far (sized to the server's workers at its first round)."""
+        if self.worker_bytes:
+            return self.worker_bytes
+        if workers is None:  # a broadcast: every member of the transfer group but this sender is a worker
+            assert self.group is not None
+            workers = self.group.size() - 1
+        return [0] * workers
 
     def gather_answers(self, request: Callable[[], Any], what: str) -> list[bytes]:
         """Every server worker's answer, sent to this rank over the transfer group while `request` (the call that

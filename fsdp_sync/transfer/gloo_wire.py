@@ -166,12 +166,12 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
     def segment_sizes(self) -> list[int]:
         """A sparse update's segments in wire order, in bytes: per tensor its blocks, indices and values."""
-        from fsdp_sync.patch_codec import index_blocks
+        from fsdp_sync.patch_codec import segment_sizes
 
         assert self.counts is not None
         sizes: list[int] = []
         for dtype, shape, count in zip(self.dtypes(), self.shapes, self.counts, strict=True):
-            sizes += [4 * index_blocks(math.prod(shape)), 2 * count, dtype.itemsize * count]
+            sizes += segment_sizes(math.prod(shape), count, dtype.itemsize)
         return sizes
 
     def tensor_sizes(self) -> list[int]:

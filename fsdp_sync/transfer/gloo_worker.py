@@ -7,7 +7,8 @@ the round it announces.
   repacked (CPU) and quantized layers. An update that ends part-way (the trainer's abort marker, a failed receive)
   gives layers that received only part of their weights their previous ones back before finalising, so every engine
   weight holds either its previous or its new value, none undefined.
-- sparse (`_PatchRound`): received whole, decoded (`fsdp_sync.patch_codec`) and written in place through vLLM's
+- sparse (`_PatchRound`): received whole (a routed update: only the changes inside this worker's cut, still
+  indexed into the full tensor), decoded (`fsdp_sync.patch_codec`) and written in place through vLLM's
   `load_checkpoint_weight_patches` (`fsdp_sync.compat.patch_api`), outside any reload. On vLLM-CPU the linear weights
   must have been kept unpacked from the start (`FSDP_VLLM_SYNC_SPARSE=1`, see `plugin.py`).
 - staged (`_Staging`, `stage="receive"` then `stage="apply"`): received on a thread of the worker into host memory
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -398,6 +400,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
         and the loads here are synchronous copies from host memory.
         """
         info = self.parse_update_info(update_info)
+        if info.route is not None and info.counts is not None:
+            # A routed sparse update: this worker receives, and writes, only the changes inside its cut.
+            info = replace(info, counts=RoutePlan.from_json(info.route).counts_of(self._worker_rank()))
         if info.adapter is not None:
             self._adapter.receive(info)
             return

@@ -16,6 +16,11 @@ A worker gives its loader the full-shaped tensor with its cut in place (`widen`)
 (vLLM-CPU's repacking, quantized layers), and only the cut crosses the wire. The rest of that tensor is zeros the
 loader never reads; `verify` compares every worker's weights bit for bit with the trainer's cut of them.
 
+A sparse update routes too (`route_patches`): each worker receives only the changes inside its cut (`in_cut`),
+still as flat indices into the full tensor, which vLLM's patch loader cuts as its weight loader does; `counts[place]`
+says how many of each tensor's changes the workers at `place` receive. Its sender is the one rank that gathered the
+patches (rank 0).
+
 Pure: no group, no server; both ends import it.
 """
 
@@ -23,14 +28,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fsdp_sync.patch_codec import segment_sizes
+
 from .gloo_wire import plan_chunks
 
-__all__ = ["Cut", "RoutePlan", "cut_shape", "plan_cuts", "plan_route", "take", "widen"]
+if TYPE_CHECKING:
+    from fsdp_sync.compat.patch_api import EnginePatch
+
+__all__ = [
+    "Cut",
+    "RoutePlan",
+    "RoutedPatches",
+    "cut_shape",
+    "in_cut",
+    "plan_cuts",
+    "plan_route",
+    "route_patches",
+    "take",
+    "widen",
+]
 
 # Chunks per sender a worker's stream is cut into at least (where the buffer allows): chunks as large as the buffer
 # (64 MiB) would give a 41 MB model's TP2 worker one chunk, so one rank would send all of it; four per sender
@@ -65,6 +86,16 @@ def widen(part: torch.Tensor, shape: Sequence[int], cut: Cut) -> torch.Tensor:
     full = part.new_zeros(tuple(shape))
     take(full, cut).copy_(part.view(cut_shape(shape, cut)))
     return full
+
+
+def in_cut(indices: torch.Tensor, shape: Sequence[int], cut: Cut) -> torch.Tensor | None:
+    """Which flat indices into a full tensor of `shape` lie inside `cut` (a bool mask; None: every one, no cut)."""
+    if cut is None:
+        return None
+    dim, start, size = cut
+    inner = math.prod(shape[dim + 1 :])
+    along = torch.div(indices, inner, rounding_mode="floor").remainder_(shape[dim])
+    return (along >= start) & (along < start + size)
 
 
 def plan_cuts(
@@ -111,6 +142,8 @@ class RoutePlan:
         cuts: place -> tensor -> `Cut`.
         sources: worker -> chunk -> the trainer rank that sends it.
         tag: the update's tag on the route group (a send of an aborted update never matches a later one).
+        counts: a sparse update's: place -> tensor -> the changes inside that place's cut (what its workers
+            receive, as the three segments of `fsdp_sync.patch_codec`); None: a dense update.
     """
 
     senders: int
@@ -120,6 +153,7 @@ class RoutePlan:
     cuts: list[list[Cut]]
     sources: list[list[int]]
     tag: int = 0
+    counts: list[list[int]] | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,14 +165,91 @@ class RoutePlan:
     def cuts_of(self, worker: int) -> list[Cut]:
         return self.cuts[worker % self.replica]
 
+    def counts_of(self, worker: int) -> list[int]:
+        """A sparse update's changes of each tensor that `worker` receives."""
+        assert self.counts is not None, "a dense update's route has no counts"
+        return self.counts[worker % self.replica]
+
     def sizes(self, worker: int, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> list[int]:
-        """Bytes of each tensor's cut that `worker` receives, in stream order."""
-        return _cut_sizes(self.cuts_of(worker), shapes, dtypes)
+        """Bytes of each item `worker` receives, in stream order: each tensor's cut (dense); each tensor's three
+        patch segments, of the changes inside its cut (sparse)."""
+        if self.counts is None:
+            return _cut_sizes(self.cuts_of(worker), shapes, dtypes)
+        return _patch_sizes(self.counts_of(worker), shapes, dtypes)
 
 
 def _cut_sizes(cuts: Sequence[Cut], shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> list[int]:
     """Bytes of each tensor's cut, in stream order."""
     return [math.prod(cut_shape(s, c)) * d.itemsize for s, d, c in zip(shapes, dtypes, cuts, strict=True)]
+
+
+def _patch_sizes(counts: Sequence[int], shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> list[int]:
+    """Bytes of each tensor's three patch segments, in stream order."""
+    sizes: list[int] = []
+    for count, shape, dtype in zip(counts, shapes, dtypes, strict=True):
+        sizes += segment_sizes(math.prod(shape), count, dtype.itemsize)
+    return sizes
+
+
+# A routed sparse update: its plan, and per patch, per place, the three encoded segments of the changes in that
+# place's cut (`route_patches`).
+RoutedPatches = tuple[RoutePlan, list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]
+
+
+def route_patches(
+    patches: Sequence[EnginePatch],
+    cuts: list[list[Cut]],
+    *,
+    senders: int,
+    workers: int,
+    buffer_bytes: int,
+    tag: int = 0,
+) -> RoutedPatches:
+    """Each place's part of every patch (`cuts[place][i]`: its cut of patch `i`'s tensor), encoded, and the route
+    of the sparse update that sends each worker its place's parts. A tensor a place holds whole is encoded once.
+
+    NOTE: every chunk from rank 0: the patches are gathered to it (a sparse sync's bytes are a few percent of a dense
+    one's), so the other ranks hold nothing to send; each worker still receives only its cut.
+
+    Raises:
+        ValueError: `workers` is not a multiple of the places in `cuts`, or there is no sender.
+    """
+    from fsdp_sync.patch_codec import encode_patch
+
+    replica = _replicas(cuts, senders, workers)
+
+    encoded: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+    counts: list[list[int]] = [[] for _ in cuts]
+    for i, patch in enumerate(patches):
+        whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        parts = []
+        for place, place_cuts in enumerate(cuts):
+            inside = in_cut(patch.indices, patch.shape, place_cuts[i])
+            if inside is None:
+                whole = whole or encode_patch(patch)
+                parts.append(whole)
+                counts[place].append(patch.indices.numel())
+            else:
+                parts.append(encode_patch(patch._replace(indices=patch.indices[inside], values=patch.values[inside])))
+                counts[place].append(int(inside.sum()))
+        encoded.append(parts)
+    shapes, dtypes = [p.shape for p in patches], [p.dtype for p in patches]
+    plan = RoutePlan(senders, replica, workers, buffer_bytes, cuts, [], tag, counts)
+    sources = [[0] * len(plan_chunks(plan.sizes(w, shapes, dtypes), buffer_bytes)) for w in range(workers)]
+    return replace(plan, sources=sources), encoded
+
+
+def _replicas(cuts: list[list[Cut]], senders: int, workers: int) -> int:
+    """The workers per replica (places) of a route into `workers`.
+
+    Raises:
+        ValueError: `workers` is not a multiple of the places in `cuts`, or there is no sender.
+    """
+    replica = len(cuts)
+    if senders < 1 or replica < 1 or workers % replica:
+        raise ValueError(f"a route needs senders >= 1 and whole replicas: {senders} senders, {workers} workers, "
+                         f"{replica} places")
+    return replica
 
 
 def plan_route(
@@ -158,10 +269,7 @@ def plan_route(
     Raises:
         ValueError: `workers` is not a multiple of the places in `cuts`, or there is no sender.
     """
-    replica = len(cuts)
-    if senders < 1 or replica < 1 or workers % replica:
-        raise ValueError(f"a route needs senders >= 1 and whole replicas: {senders} senders, {workers} workers, "
-                         f"{replica} places")
+    replica = _replicas(cuts, senders, workers)
     largest = max(sum(_cut_sizes(place, shapes, dtypes)) for place in cuts)
     chunk = min(buffer_bytes, max(_MIN_CHUNK, -(-largest // (_CHUNKS_PER_SENDER * senders))))
     plan = RoutePlan(senders, replica, workers, chunk, cuts, [[] for _ in range(workers)], tag)

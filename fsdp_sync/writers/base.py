@@ -131,10 +131,12 @@ class SharedWriter(Protocol):
     Attributes:
         shares: decided once, when the writer is built, alike on every rank: whether its pushes are shared.
         sent_bytes: bytes this rank put on the wire in its last push (its share).
+        worker_bytes: of them, what each of the engine's workers received from this rank, in worker order.
     """
 
     shares: bool
     sent_bytes: int
+    worker_bytes: tuple[int, ...]
 
     def route_ticket(self) -> object | None:
         """On the pushing rank, after `prepare`: the plan of the next push, for every rank (None: not shared)."""

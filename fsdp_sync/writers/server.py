@@ -203,6 +203,9 @@ class ServerWriter(ServerLayout, ServerAdapters, ServerRoutes):
             self.client.deadline = deadline
         if self._engine is not None and self.transport.bounded:
             self._engine.bound(deadline)
+        if hasattr(self._engine, "sent_bytes"):
+            # What this rank sends is counted per sync (`sent_bytes`, `worker_bytes`), over all of its rounds.
+            self._engine.sent_bytes, self._engine.worker_bytes = 0, []
 
     def replaced(self) -> str | None:
         """Why the server no longer holds what this writer last stamped (its weight version says so), or None. The
@@ -415,7 +418,7 @@ class ServerWriter(ServerLayout, ServerAdapters, ServerRoutes):
             engine = self._begin_round()
             stage = "send"
             self._round_open = True
-            self._engine.send_patches(patches)
+            self._engine.send_patches(patches, self.patch_route(patches))
             self._round_open = False
         except Exception as e:
             state = self._failed(stage, engine, e)

@@ -11,7 +11,7 @@ one (the first sync, and the one after a failed push: every rank drops its trans
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,9 @@ from ..distributed import rank, world_size
 from ..server_client import ServerConfigError, ServerRequestError
 
 if TYPE_CHECKING:
+    from fsdp_sync.compat.patch_api import EnginePatch
+    from fsdp_sync.transfer.routes import RoutedPatches
+
     from ..server_client import ServerClient
     from .server_transports import Transport
 
@@ -172,17 +175,41 @@ class ServerRoutes:
         self._route_cuts = (id(self._source), cuts)
         return cuts
 
+    def patch_route(self, patches: Sequence[EnginePatch]) -> RoutedPatches | None:
+        """The sender's routed sparse update (`routes.route_patches`): each worker only the changes inside its cut.
+        None: broadcast whole (a server of one worker, a transfer without a route group: one set up by a round that
+        does not route, a transport that routes nothing, or workers that each hold every patched tensor whole)."""
+        from fsdp_sync.transfer.routes import plan_cuts, route_patches
+
+        layout = self._route_layout
+        if not self.shares or layout is None or not layout[1] or getattr(self._engine, "route_group", None) is None:
+            return None
+        naming = engine_naming_for_architectures(self._architectures())
+        cuts, _ = plan_cuts([p.name for p in patches], [p.shape for p in patches], naming.parameter, layout[1])
+        if all(cut is None for place in cuts for cut in place):
+            # NOTE: every worker receives every change (data-parallel replicas of one worker each): a broadcast
+            # carries the same bytes, and the workers receive them at once rather than one after the other.
+            return None
+        self._tags = (self._tags + 1) % (1 << 30)
+        return route_patches(
+            patches, cuts, senders=world_size(), workers=layout[0], buffer_bytes=self.buffer_bytes, tag=self._tags
+        )
+
     @property
     def sent_bytes(self) -> int:
-        """Bytes this rank put on the wire in its last dense push (its share of a routed one; 0 without a transfer)."""
+        """Bytes this rank put on the wire in its last sync (its share of a routed one; 0 without a transfer;
+        zeroed by `bound`, at each sync)."""
         return int(getattr(self._engine, "sent_bytes", 0))
+
+    @property
+    def worker_bytes(self) -> tuple[int, ...]:
+        """Of `sent_bytes`, what went to each server worker (a broadcast's: every byte to every worker)."""
+        return tuple(getattr(self._engine, "worker_bytes", ()))
 
     def take_ticket(self, ticket: RouteTicket | None) -> None:
         """The update's ticket, on every rank (None: not routed: the sender broadcasts, the other ranks drain)."""
         self._ticket = ticket
         self._routed = ticket is not None
-        if self._engine is not None:
-            self._engine.sent_bytes = 0  # counted anew for this push
 
     @property
     def route(self) -> Any:

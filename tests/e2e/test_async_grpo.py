@@ -178,7 +178,7 @@ def test_async_grpo_ddp_sparse(server: VLLMServerProcess, checkpoints, tmp_path:
     result = _run(checkpoints("qwen2"), tmp_path, server, "ddp", "--steps", "2", "--check", "--sparse", "--lr", "3e-6")
     ranks = _assert_exact_every_sync(result, "ddp", syncs=3)
     later = ranks[0]["syncs"][1:]
-    assert all(s["sparse"] and s["patched_tensors"] > 0 and s["patch_bytes"] > 0 for s in later), later
+    assert all(s["sparse"] and s["patched_tensors"] > 0 and s["patch_bytes"] > 0 for s in later), (later, ranks[0]["log_history"])
 
 
 def test_async_grpo_single_process_with_lora(server: VLLMServerProcess, checkpoints, tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ def _show(label: str, ranks: list[dict]) -> None:
     """Rank 0's syncs: kind, tensors, bytes sent (dense + patches), seconds, and what each rank put on the wire."""
     rows = [
         ("complete" if rep["complete"] else "sparse" if rep["sparse"] else "delta", rep["tensors"],
-         rep["bytes"] + rep.get("patch_bytes", 0), round(rep["seconds"], 3),
+         rep["bytes"] + rep.get("encoded_bytes", 0), round(rep["seconds"], 3),
          [r["reports"][i]["sent_bytes"] for r in ranks])
         for i, rep in enumerate(ranks[0]["reports"])
     ]  # fmt: skip
@@ -67,6 +67,26 @@ def _routed(ranks: list[dict], *, replicas: int) -> None:
             assert full < sum(shares) < 1.25 * full, (shares, full)
         else:
             assert replicas * full <= sum(shares) < replicas * full * 1.1, (shares, full)
+
+
+def _patches_routed(ranks: list[dict], *, replicas: int) -> None:
+    """Sparse syncs into a multi-worker server (issue 50): what each worker received from every trainer rank together
+    (each rank's `worker_bytes`; the patches all from rank 0) against one whole copy of the sync (its dense part and
+    its patches, `encoded_bytes`): at `replicas` 1 (TP2, routed) each worker only its cut of both (a broadcast sends
+    each the whole copy; the tests' model's one KV head and norms go whole to both), at 2 (DP2: no worker holds a
+    cut, so the patches are broadcast) each replica all of it."""
+    sparse = [i for i, rep in enumerate(ranks[0]["reports"]) if rep["ok"] and rep["sparse"]]
+    assert sparse, [rep["sparse"] for rep in ranks[0]["reports"]]
+    for i in sparse:
+        rep = ranks[0]["reports"][i]
+        whole = rep["bytes"] + rep["encoded_bytes"]
+        # a rank that sent nothing this push (patches only: rank 0 sends them all) counted no worker
+        received = [sum((r["reports"][i]["worker_bytes"] or [0, 0])[w] for r in ranks) for w in range(2)]
+        assert rep["encoded_bytes"] > 0 and len(rep["worker_bytes"]) == 2, rep
+        if replicas == 1:
+            assert all(b < 0.8 * whole for b in received) and sum(received) >= whole, (received, whole)
+        else:
+            assert all(whole <= b < 1.1 * whole for b in received), (received, whole)
 
 
 def _verified_on_every_worker(ranks: list[dict]) -> None:
@@ -136,6 +156,7 @@ def test_complete_then_sparse_syncs_into_a_tensor_parallel_server(
     _every_worker_checked(ranks, TP2_WORKERS)
     _verified_on_every_worker(ranks)
     _routed(ranks, replicas=1)
+    _patches_routed(ranks, replicas=1)
     first, *later = ranks[0]["reports"]
     assert first["complete"] and first["tensors"] == checkpoint_tensor_count(model_dir)
     assert later and all(not rep["complete"] for rep in later), later
@@ -200,6 +221,7 @@ def test_fsdp1_sparse_syncs_into_a_data_parallel_server(dp2_server: VLLMServerPr
     _every_worker_checked(ranks, DP2_WORKERS)
     _verified_on_every_worker(ranks)
     _routed(ranks, replicas=2)
+    _patches_routed(ranks, replicas=2)
     first, *later = ranks[0]["reports"]
     assert first["complete"] and later and all(not rep["complete"] for rep in later), later
     _show("dp2 fsdp1 sparse", ranks)

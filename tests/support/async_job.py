@@ -314,6 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     record["syncs"] = [r.as_dict() for r in getattr(trainer, "sync_reports", [])]
     record["rollout_versions"] = versions.seen if versions is not None else []
     record["rollout_names"] = names.read_text().split() if names.exists() else []
+    record["log_history"] = trainer.state.log_history  # what training did (a step with no gradient moves nothing)
     if stand_in is not None:
         record["pauses"] = [(paused, None) for paused in stand_in.pauses]
         record["stock_bytes"] = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in stand_in.manifest)

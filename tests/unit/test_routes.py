@@ -6,6 +6,8 @@ its route names, and an abort from whichever rank it waits for."""
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -96,6 +98,17 @@ def _group(store: dist.Store, rank: int, world: int) -> dist.ProcessGroupGloo:
     return dist.ProcessGroupGloo(store, rank, world, options)
 
 
+def _two_and_two(trainer: Callable[[int], None], worker: Callable[[int], None]) -> None:
+    """Two trainer ranks and two workers of one route group, each a thread of this process, run to their end."""
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 1)]
+    threads += [threading.Thread(target=worker, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+
+
 def _run_route(fail_at: int | None) -> tuple[dict[int, list], dict[int, BaseException], list[RouteSender]]:
     """Two trainer ranks send a routed update of NAMES to two TP workers over a real gloo group (threads); with
     `fail_at`, rank 1's stream fails at that tensor (rank 0's stops there too, as at the gather's next round)."""
@@ -138,13 +151,7 @@ def _run_route(fail_at: int | None) -> tuple[dict[int, list], dict[int, BaseExce
         except BaseException as e:  # noqa: BLE001
             errors[2 + w] = e
 
-    threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 1)]
-    threads += [threading.Thread(target=worker, args=(w,)) for w in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
+    _two_and_two(trainer, worker)
     expected = {w: [take(t, c) for t, c in zip(tensors, route.cuts_of(w))] for w in (0, 1)}
     for w, got in received.items():
         for i, full in enumerate(got):
@@ -211,9 +218,25 @@ def test_the_sender_plans_each_push_from_the_workers_cuts_and_sets_the_route_up_
     assert route["senders"] == 2 and route["replica"] == 2
     assert route["cuts"][1][1:4] == [[0, 4, 4], [0, 2, 2], [0, 2, 2]]  # q, k, v: worker 1's rows, by its rules
     assert route["cuts"][0][0] is None and route["cuts"][0][4] is None  # no rule: whole
-    writer._engine = type("Engine", (), {"route_group": object(), "shutdown": lambda self: None})()
+    writer._engine = type(
+        "Engine", (), {"route_group": object(), "shutdown": lambda self: None, "bound": lambda self, deadline: None}
+    )()
     second = writer.route_ticket()
     assert second is not None and not second.connect and second.route["tag"] == route["tag"] + 1
+    # a sparse update over the same transfer: routed by the same workers' cuts, with a tag of its own
+    routed = writer.patch_route(_patches())
+    assert routed is not None and routed[0].counts is not None and routed[0].cuts == route["cuts"]
+    assert routed[0].tag == route["tag"] + 2 and routed[0].workers == 2
+    # what a rank sent is counted per sync: each sync's bound starts the count afresh
+    writer._engine.sent_bytes, writer._engine.worker_bytes = 7, [3, 4]
+    writer.bound(time.monotonic() + 5)
+    assert writer._engine.sent_bytes == 0 and writer._engine.worker_bytes == []
+    writer.shares = False
+    assert writer.patch_route(_patches()) is None  # a writer that does not route broadcasts patches too
+    writer.shares = True
+    # workers that each hold every patched tensor whole (here: only the norm and the embedding, which no rule cuts)
+    # receive every change: broadcast
+    assert writer.patch_route([p for p in _patches() if p.name in ("norm.weight", "embed.weight")]) is None
     writer.take_ticket(None)
     writer.route_failed()
     assert writer._engine is not None, "a broadcast push's failure keeps the transfer"
@@ -222,3 +245,99 @@ def test_the_sender_plans_each_push_from_the_workers_cuts_and_sets_the_route_up_
     assert writer._engine is None and writer._route_host is None
     monkeypatch.setattr(_TwoWorkerClient, "world_size", lambda self: 1)
     assert writer.route_ticket() is None  # a server of one worker: broadcast, from 2 ranks too
+
+
+def _patches(seed: int = 2) -> list:
+    """A patch of every tensor of NAMES: about a third of its elements changed, at random places."""
+    from fsdp_sync.compat.patch_api import EnginePatch
+
+    g = torch.Generator().manual_seed(seed)
+    patches = []
+    for name, shape in zip(NAMES, SHAPES):
+        numel = torch.Size(shape).numel()
+        indices = torch.nonzero(torch.rand(numel, generator=g) < 0.35).flatten()
+        values = torch.randn(indices.numel(), generator=g).to(torch.bfloat16)
+        patches.append(EnginePatch(name, shape, torch.bfloat16, indices, values))
+    return patches
+
+
+def _applied(patch, shape) -> torch.Tensor:
+    """The patch written into zeros (NaN marks what it did not write)."""
+    out = torch.full((torch.Size(shape).numel(),), float("nan"), dtype=torch.bfloat16)
+    out[patch.indices] = patch.values
+    return out.view(shape)
+
+
+def test_in_cut_selects_the_flat_indices_inside_a_row_or_column_cut() -> None:
+    from fsdp_sync.transfer.routes import in_cut
+
+    shape = (4, 6)
+    every = torch.arange(24)
+    assert in_cut(every, shape, None) is None
+    rows = in_cut(every, shape, [0, 1, 2])
+    assert torch.equal(every[rows], torch.arange(6, 18))  # rows 1 and 2
+    columns = in_cut(every, shape, [1, 3, 3])
+    assert torch.equal(every[columns].view(4, 3), torch.arange(24).view(4, 6)[:, 3:6])
+    middle = in_cut(torch.arange(2 * 4 * 6), (2, 4, 6), [1, 2, 2])  # the middle dimension of a 3-d tensor
+    assert torch.equal(torch.arange(48)[middle].view(2, 2, 6), torch.arange(48).view(2, 4, 6)[:, 2:4])
+
+
+def test_each_worker_receives_only_the_patches_inside_its_cut_from_rank_0() -> None:
+    """A routed sparse update over a real gloo route group (two trainer ranks, two TP workers, threads): rank 0, which
+    holds the gathered patches, sends each worker the changes inside its cut, still indexed into the full tensor;
+    rank 1 sends nothing. Each worker's decoded patches write exactly what the whole patches write inside its cut,
+    nothing outside it; a tensor it holds whole (the norm) arrives whole, encoded once for both."""
+    from fsdp_sync.patch_codec import decode_patch
+    from fsdp_sync.transfer.routes import route_patches
+
+    patches = _patches()
+    cuts, _ = plan_cuts(NAMES, SHAPES, _parameter, [_rules(0), _rules(1)])
+    route, encoded = route_patches(patches, cuts, senders=2, workers=2, buffer_bytes=256, tag=5)
+    assert all(len(s) >= 2 for s in route.sources) and {r for s in route.sources for r in s} == {0}, route.sources
+    assert encoded[5][0] is encoded[5][1]  # the norm: one encoding for both places
+    dtypes = [torch.bfloat16] * 6
+    sizes = [route.sizes(w, SHAPES, dtypes) for w in (0, 1)]
+    store = dist.HashStore()
+    received: dict[int, list] = {0: [], 1: []}
+    errors: dict[int, BaseException] = {}
+    senders: list[RouteSender] = []
+
+    def trainer(rank: int) -> None:
+        group = _group(store, rank, 4)
+        if rank != 0:
+            return  # a member of the route group with nothing to send
+        sender = RouteSender(group, route, rank, lambda work: work.wait(timedelta(seconds=30)))
+        senders.append(sender)
+        try:
+            sender.send_parts((parts for tensor in encoded for parts in zip(*tensor, strict=True)), sizes)
+        except BaseException as e:  # noqa: BLE001
+            errors[rank] = e
+
+    def worker(w: int) -> None:
+        group = _group(store, 2 + w, 4)
+        segments: list[torch.Tensor] = []
+        try:
+            for chunk, buffer in routed_chunks(group, sizes[w], route.buffer_bytes, route.sources[w], route.tag, "x"):
+                segments += [buffer[o : o + sizes[w][i]] for i, o in zip(range(chunk.start, chunk.stop), chunk.offsets)]
+            received[w] = [
+                decode_patch(p.name, p.shape, p.dtype, *segments[3 * k : 3 * k + 3]) for k, p in enumerate(patches)
+            ]
+        except BaseException as e:  # noqa: BLE001
+            errors[2 + w] = e
+
+    _two_and_two(trainer, worker)
+    assert not errors, errors
+    for w in (0, 1):
+        assert [p.indices.numel() for p in received[w]] == route.counts_of(w)
+        for k, (whole, got) in enumerate(zip(patches, received[w], strict=True)):
+            cut = route.cuts_of(w)[k]
+            mine, full = _applied(got, whole.shape), _applied(whole, whole.shape)
+            torch.testing.assert_close(take(mine, cut), take(full, cut), rtol=0, atol=0, equal_nan=True, msg=NAMES[k])
+            outside = mine.isnan().logical_not().sum() - take(mine, cut).isnan().logical_not().sum()
+            assert outside == 0, (w, NAMES[k])  # nothing outside its cut travelled
+    # each worker about half of every cut tensor's changes, the norm's whole; all from rank 0
+    total = [p.indices.numel() for p in patches]
+    for w in (0, 1):
+        assert route.counts_of(w)[5] == total[5] and all(c < t for c, t in zip(route.counts_of(w)[:5], total[:5]))
+    assert [route.counts_of(0)[k] + route.counts_of(1)[k] for k in range(5)] == total[:5]
+    assert senders[0].worker_bytes == [sum(c.nbytes + TRAILER for c in plan_chunks(sizes[w], 256)) for w in (0, 1)]

@@ -267,3 +267,36 @@ def test_config_and_wire_checks() -> None:
     assert info.segment_sizes() == [4 * 2, 2 * 3, 2 * 3]  # two 2^16-element blocks, 3 indices, 3 values
     with pytest.raises(ValueError, match="counts"):
         GlooUpdateInfo(names=["w"], dtype_names=["bfloat16"], shapes=[[4]], counts=[1, 2])
+
+
+class DigestEngine(Engine):
+    """The engine above, unfused, with the sha256 digests of what it holds (what `verify` compares)."""
+
+    def engine_layout(self) -> EngineLayout:
+        return EngineLayout(EngineNaming(), frozenset(n.rpartition(".")[0] for n in self.specs))
+
+    def engine_digests(self) -> tuple[dict[str, dict[str, str]], bool]:
+        import hashlib
+
+        from fsdp_sync.sync.verify import tensor_bytes
+
+        return {"": {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in self.weights.items()}}, False
+
+
+def test_verify_gathers_the_patched_tensors_for_their_digests_and_the_report_counts_only_what_went_whole() -> None:
+    """Regression (a tensor-parallel server's e2e run): with `verify`, a sync that sent only patches reported every
+    patched tensor gathered for its digest as sent (723200 bytes, 26 tensors). `tensors` and `bytes` are what went
+    whole; `verify` still compares every engine weight."""
+    tensors = _model()
+    engine = DigestEngine(tensors)
+    sync = WeightSync(Gatherer(tensors), engine, _config(verify=True), policy=policy_for)
+    first = sync.sync()
+    assert first.tensors == len(tensors) and first.verified == len(tensors)
+    _step(tensors, {Q: 0.01, O: 0.02})
+    second = sync.sync()
+    assert second.sparse and engine.patches[-1] == [Q, O] and len(engine.writes) == 1
+    assert second.tensors == 0 and second.bytes == 0, (second.tensors, second.bytes)
+    assert second.verified == len(tensors) and second.unverifiable == 0
+    # per patch: one block's count (4 bytes), then 2 bytes of index and 2 of bf16 value per change
+    assert _sparse(second).encoded_bytes == sum(4 + 4 * c for c in (int(4096 * 0.01), int(4096 * 0.02)))
+    _exact(engine, tensors)
