@@ -1,4 +1,4 @@
-"""One trainer rank's share of a routed dense update (`fsdp_sync.transfer.routes`), over the gloo route group: the
+"""One trainer rank's share of a routed update (`fsdp_sync.transfer.routes`), over the gloo route group: the
 trainer side of `gloo_wire.routed_chunks`. Every trainer rank runs it, the sender inside its round
 (`gloo_trainer.GlooTrainerWeightTransferEngine._round`), the other ranks alone."""
 
@@ -26,7 +26,8 @@ class RouteSender:
     """One trainer rank's share of a routed update: for every tensor of the stream, the cut each worker receives is
     copied into that worker's current chunk where this rank sends the chunk (`RoutePlan.sources`), and a chunk is
     sent, point to point, when the stream completes it. Every rank runs the same plan over the same stream (each
-    holds every full tensor while the gather hands it on), so each chunk is filled and sent by exactly one rank.
+    holds every full tensor while the gather hands it on), so each chunk is filled and sent by exactly one rank. A
+    sparse update's stream is its encoded segments, each item one part per place (`send_parts`), all sent by rank 0.
 
     NOTE: a rank whose stream fails (its own failure, or another rank's, seen at the gather's next status round)
     sends each worker `ABORT` as its own next chunk to that worker, without waiting: the first chunk a worker still

@@ -1,10 +1,11 @@
 """The gloo backend's trainer side: rank 0 hosts the groups and broadcasts each update's chunks; in a routed dense
 update (`fsdp_sync.transfer.routes`) every trainer rank sends the chunks its route names, point to point, to each
-worker over the route group (`route`, `RouteSender`).
+worker over the route group (`route`, `RouteSender`); in a routed sparse one rank 0 sends each worker the changes
+inside its cut.
 
 Every update, dense, sparse or adapter, is one round of the same shape (`_round`): open the server's weight-update
 session (a staged round joins the one already open), announce the update (`/update_weights`, answered on a thread),
-broadcast its stream chunk by chunk (`gloo_wire`), wait for the server's answer, close the session (a staged round
+send its stream chunk by chunk (`gloo_wire`), wait for the server's answer, close the session (a staged round
 leaves it open for `commit`). Staging is a declared capability (`fsdp_sync.transfer.staging.StagedTransfer`).
 """
 

@@ -16,7 +16,9 @@ the group:
   trainer rank and every worker (`route_senders` trainer ranks first); each worker receives its own chunks, of its
   cut of each tensor, point to point from the trainer rank the route names (`send_to`, `routed_chunks`), with the
   same trailer. A trainer rank whose stream stops sends each worker `ABORT` as its own next chunk to that worker
-  (the first chunk a worker still waits for is always such a chunk of some rank).
+  (the first chunk a worker still waits for is always such a chunk of some rank). A routed sparse update (`route`
+  and `counts`): each worker the segments of the changes inside its cut (the route's `counts` for its place), all
+  from rank 0.
 - answers (`gather_to_sender`): the other way, each worker's few bytes (a JSON answer) to rank 0: every worker of
   every data-parallel replica answers (`fsdp_sync.transfer.questions`, `Route.EVERY_REPLICA`).
 """
@@ -24,6 +26,7 @@ the group:
 from __future__ import annotations
 
 import math
+import re
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -78,6 +81,21 @@ class UpdateAborted(RuntimeError):
     """The trainer aborted this update part-way (its own stream failed); raised on the worker."""
 
 
+def routed_abort(source: int, where: str) -> UpdateAborted:
+    """A worker's error for a routed update that trainer rank `source` aborted (`aborted_by` reads it back)."""
+    return UpdateAborted(f"trainer rank {source} aborted the update {where}")
+
+
+_ABORTED_BY = re.compile(r"UpdateAborted: trainer rank (\d+) aborted the update")
+
+
+def aborted_by(answer: str) -> int | None:
+    """The trainer rank whose abort the server's error answer reports (`routed_abort`, as the worker's failure
+    quotes it), or None: the server failed the update for another reason."""
+    found = _ABORTED_BY.search(answer)
+    return int(found.group(1)) if found else None
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Tensors `[start, stop)` of an update, packed at `offsets` (bytes) into one buffer of `nbytes`."""
@@ -124,7 +142,7 @@ class GlooWorkerInitInfo(WeightTransferInitInfo):
     world_size: int
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
-    # The route group (routed dense updates): the trainer ranks that send (0: none; a trainer of an earlier version
+    # The route group (routed updates): the trainer ranks that send (0: none; a trainer of an earlier version
     # of this package), and its size (those ranks and every worker).
     route_senders: int = 0
     route_world: int = 0
@@ -149,8 +167,8 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     # None: received and written now; "receive": received into host memory and kept (staged); "apply": write what was
     # staged (its names, dtypes and shapes are empty).
     stage: str | None = None
-    # A routed dense update (`fsdp_sync.transfer.routes.RoutePlan.as_json`): each worker's cuts and their senders;
-    # None: every tensor whole, broadcast from the sender.
+    # A routed update (`fsdp_sync.transfer.routes.RoutePlan.as_json`): each worker's cuts and their senders (a
+    # sparse one's: each place's counts too); None: every tensor whole, broadcast from the sender.
     route: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -302,7 +320,7 @@ def routed_chunks(
         buffer = torch.empty(chunk.nbytes + TRAILER, dtype=torch.uint8)
         group.recv([buffer], source, tag).wait()
         if int(buffer[chunk.nbytes]) != DATA:
-            raise UpdateAborted(f"trainer rank {source} aborted the update {aborted}")
+            raise routed_abort(source, aborted)
         yield chunk, buffer
 
 

@@ -322,7 +322,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWorkerInitInfo, GlooUpda
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: dist.ProcessGroupGloo | None = None
-        # Every trainer rank and every worker (routed dense updates); None where the trainer opened none.
+        # Every trainer rank and every worker (routed updates); None where the trainer opened none.
         self.route_group: dist.ProcessGroupGloo | None = None
         self.buffer_bytes = DEFAULT_BUFFER_BYTES
         self.timeout_s = DEFAULT_TIMEOUT_S

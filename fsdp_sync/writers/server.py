@@ -40,8 +40,9 @@ from fsdp_sync.compat.patch_api import EnginePatch
 from fsdp_sync.compat.server_api import ServerInfo
 from fsdp_sync.compat.vllm_patches import unfixed_reload_gaps
 from fsdp_sync.compat.weight_transfer import PlanSource, plan_source, source_metadata, trainer_transfer_engine
+from ..distributed import rank
 from ..distributed import world_size as trainer_ranks
-from ..errors import EngineState, SyncError
+from ..errors import EngineState, StreamInterrupted, SyncError
 from ..versions import ServerVersions
 from ..server_client import ServerClient, ServerConfigError, ServerRequestError, ServerUnavailableError
 from .server_adapters import ServerAdapters
@@ -356,7 +357,7 @@ class ServerWriter(ServerLayout, ServerAdapters, ServerRoutes):
         except (ServerRequestError, ServerConfigError) as e:
             raise ServerPushError(
                 f"The vLLM server failed the weight update ({stage}): {e}.", engine=self._failed(stage, engine, e)
-            ) from e
+            ) from self._routed_cause(e)
         except ServerUnavailableError as e:
             raise ServerTransportError(
                 f"The vLLM server became unreachable ({stage}): {e}.", engine=self._failed(stage, engine, e)
@@ -373,6 +374,20 @@ class ServerWriter(ServerLayout, ServerAdapters, ServerRoutes):
                 f"placeholder tensors ({self.backend} cannot abort a round).",
                 engine=EngineState("undefined", undefined=tuple(cut.placeholders), note="placeholders ended the round"),
             ) from cut.error
+
+    def _routed_cause(self, error: Exception) -> Exception:
+        """The cause of this rank's failed push: the server's `error`; or, where the server failed a routed round
+        because another trainer rank aborted it (that rank's own failure, which it records), the interruption: this
+        rank's push ended by the other's failure, not its own, as when its stream stops at the gather's next round
+        (issue 50: under load the server's answer reached this rank first, and both ranks were named)."""
+        from fsdp_sync.transfer.gloo_wire import aborted_by
+
+        other = aborted_by(str(error)) if self._ticket is not None else None
+        if other is None or other == rank():
+            return error
+        interrupted = StreamInterrupted(f"trainer rank {other} aborted the routed update")
+        interrupted.__cause__ = error
+        return interrupted
 
     def _send(self, route: Any) -> None:
         """The round itself: routed where this update has a route (`ServerRoutes`), else broadcast."""

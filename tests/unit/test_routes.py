@@ -341,3 +341,35 @@ def test_each_worker_receives_only_the_patches_inside_its_cut_from_rank_0() -> N
         assert route.counts_of(w)[5] == total[5] and all(c < t for c, t in zip(route.counts_of(w)[:5], total[:5]))
     assert [route.counts_of(0)[k] + route.counts_of(1)[k] for k in range(5)] == total[:5]
     assert senders[0].worker_bytes == [sum(c.nbytes + TRAILER for c in plan_chunks(sizes[w], 256)) for w in (0, 1)]
+
+
+def test_a_server_failure_from_another_ranks_abort_is_that_ranks_not_this_ones(monkeypatch, tmp_path) -> None:
+    """Regression (CI rehearsal 7, the routed fault test into the data-parallel server): rank 1 failed part-way through
+    its share and aborted the update; under load the server's answer (its workers' `UpdateAborted`) reached rank 0
+    before the gather's next round, and rank 0 recorded a failure of its own, so both ranks were named. The server's
+    error quoting another rank's abort is now the cause of an interruption, which the push does not count as this
+    rank's failure; its own abort, or any other server failure, stays its own."""
+    from fsdp_sync.compat.server_api import ServerInfo
+    from fsdp_sync.errors import StreamInterrupted
+    from fsdp_sync.server_client import ServerRequestError
+    from fsdp_sync.transfer.gloo_wire import aborted_by, routed_abort
+    from fsdp_sync.writers import server as server_module
+    from fsdp_sync.writers.server import ServerWriter
+    from fsdp_sync.writers.server_routes import RouteTicket
+    from tests.support.dist import free_port
+
+    # the worker's failure as the server's error answer quotes it
+    quoted = f"gloo weight transfer was aborted by the trainer (UpdateAborted: {routed_abort(1, '(routed)')}). ..."
+    assert aborted_by(quoted) == 1 and aborted_by("the worker's loader failed") is None
+    info = ServerInfo(model=str(tmp_path), dtype=torch.bfloat16, weight_transfer_backend="gloo", served_name="m")
+    writer = ServerWriter(_TwoWorkerClient(), info, group_port=free_port(), buffer_bytes=1 << 20, timeout_s=5)  # type: ignore[arg-type]
+    monkeypatch.setattr(server_module, "rank", lambda: 0)
+    error = ServerRequestError(quoted)
+    assert writer._routed_cause(error) is error  # not a routed push: the server's failure is this rank's
+    writer._ticket = RouteTicket(False, "127.0.0.1", 1, 2, {})
+    cause = writer._routed_cause(error)
+    assert isinstance(cause, StreamInterrupted) and cause.__cause__ is error and "trainer rank 1" in str(cause)
+    own = ServerRequestError(quoted.replace("trainer rank 1", "trainer rank 0"))
+    assert writer._routed_cause(own) is own  # its own abort: its own failure, recorded where its stream failed
+    other = ServerRequestError("the worker's loader failed")
+    assert writer._routed_cause(other) is other
