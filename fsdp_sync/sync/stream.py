@@ -209,7 +209,7 @@ class StreamPass:
     rank's remaining part of the gather (it stops at its next status round once any rank failed).
 
     Attributes:
-        bytes, tensors: what was handed out so far (digested only: not counted).
+        bytes, tensors: what was handed out so far (a tensor only digested, outside `send`, is not counted).
     """
 
     def __init__(

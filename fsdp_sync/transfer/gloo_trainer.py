@@ -295,7 +295,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             sizes = [route.sizes(w, shapes, dtypes) for w in range(route.workers)]
             items = (segments for tensor in encoded for segments in zip(*tensor, strict=True))
             update = _announce(meta, counts=counts, route=route.as_json())
-            self._round(update, lambda answer: self._route_parts(items, sizes, route, answer), written_whole=True)
+            staged = self._staged(update)
+            self._round(
+                update, lambda answer: self._route_parts(items, sizes, route, answer, staged), written_whole=True
+            )
             return sum(sum(s) for s in sizes)
         update = _announce(meta, counts=counts)
         segments: list[ParamMeta] = []
@@ -423,7 +426,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._sent(sender, staged)
 
     def _route_parts(
-        self, items: Iterator[Sequence[torch.Tensor]], sizes: list[list[int]], route: RoutePlan, answer: Future
+        self,
+        items: Iterator[Sequence[torch.Tensor]],
+        sizes: list[list[int]],
+        route: RoutePlan,
+        answer: Future,
+        staged: bool,
     ) -> None:
         """This rank's chunks of a routed update whose items differ by place (`RouteSender.send_parts`)."""
         assert self.route_group is not None
@@ -431,7 +439,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         try:
             sender.send_parts(items, sizes)
         finally:
-            self._sent(sender, self.staged)
+            self._sent(sender, staged)
 
     def _sent(self, sender: RouteSender, staged: bool) -> None:
         """A routed round's count, whatever its end: its unfinished sends kept, its bytes and chunks added."""

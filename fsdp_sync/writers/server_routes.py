@@ -78,8 +78,9 @@ class ServerRoutes:
         # (workers, the places' rules in place order) as the server said them (no places: not routed); asked again
         # for each transfer.
         self._route_layout: tuple[int, list[dict[str, Any]]] | None = None
-        # The cuts of the announced source (`prepare`), per source.
+        # The cuts of the announced source (`prepare`), per source; of each patched tensor, by name (each place's).
         self._route_cuts: tuple[int, list[list[Any]]] | None = None
+        self._patch_cuts: dict[str, list[Any]] = {}
         # The sender's rendezvous store, listening from the ticket of a push that sets the transfer up until its
         # handshake takes it: the other ranks connect to a live store, which closes at once if the sender fails.
         self._route_host: Any = None
@@ -100,7 +101,7 @@ class ServerRoutes:
         assert self._source is not None, "prepare() must be called first"
         if self._engine is None or self._route_layout is None:  # asked once per transfer
             self._route_layout = self._ask_route_layout()
-            self._route_cuts = None
+            self._route_cuts, self._patch_cuts = None, {}
         if not self._route_layout[1]:
             return None  # one worker: broadcast (see `_ask_route_layout`)
         # NOTE: a transfer set up by a round that is not routed (an adapter's, patches') has no route group.
@@ -184,8 +185,13 @@ class ServerRoutes:
         layout = self._route_layout
         if not self.shares or layout is None or not layout[1] or getattr(self._engine, "route_group", None) is None:
             return None
-        naming = engine_naming_for_architectures(self._architectures())
-        cuts, _ = plan_cuts([p.name for p in patches], [p.shape for p in patches], naming.parameter, layout[1])
+        known = self._patch_cuts
+        missing = [p for p in patches if p.name not in known]
+        if missing:  # each tensor's cuts once per layout: the patched tensors differ from sync to sync
+            naming = engine_naming_for_architectures(self._architectures())
+            found, _ = plan_cuts([p.name for p in missing], [p.shape for p in missing], naming.parameter, layout[1])
+            known.update((p.name, [place[i] for place in found]) for i, p in enumerate(missing))
+        cuts = [[known[p.name][place] for p in patches] for place in range(len(layout[1]))]
         if all(cut is None for place in cuts for cut in place):
             # NOTE: every worker receives every change (data-parallel replicas of one worker each): a broadcast
             # carries the same bytes, and the workers receive them at once rather than one after the other.
